@@ -1,0 +1,66 @@
+#pragma once
+// Public entry points of the attention core: MHA and DCMHA share one call shape.
+//
+//   forward (cfg, q, k, v, out, lse)                      multi-head attention
+//   forward (cfg, q, k, v, out, lse, compose)             DCMHA: the same call plus compose weights
+//   backward(cfg, q, k, v, lse, dout, dq, dk, dv)                   MHA gradients
+//   backward(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose) DCMHA gradients
+//
+// Logical shapes (any strides; see tensor.hpp for bhtd()/bthd()):
+//   q (B, H, T, D)   k (B, Hk, S, D)   v (B, Hk, S, Dv)   out, dout (B, H, T, Dv)
+//   lse (B, H, T): per-row softmax statistics written by forward and read by backward; the only
+//   state kept between the two (O(B*H*T), never B*H*T*S). Pass an empty view for inference.
+// Hk divides H (GQA: head h reads kv head h / (H / Hk)). Gradients are overwritten, not added.
+#include "compose_weights.hpp"
+#include "config.hpp"
+#include "cpu/backward.hpp"
+#include "cpu/forward.hpp"
+#include "detail/validate.hpp"
+#include "error.hpp"
+#include "tensor.hpp"
+
+namespace dcmha {
+
+namespace detail {
+template <class T>
+void forward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                  TensorView<const T, 4> v, TensorView<T, 4> out, TensorView<acc_t<T>, 3> lse,
+                  const ComposeWeights<T>& compose) {
+  const AttentionDims dims = validate_forward("dcmha::forward", cfg, q, k, v, out, lse, compose);
+  cpu::forward(cfg, dims, q, k, v, out, lse, compose);
+}
+
+template <class T>
+void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                   TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
+                   TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
+                   TensorView<T, 4> dv, const ComposeWeights<T>& compose,
+                   const ComposeGrads<T>& dcompose) {
+  const AttentionDims dims = validate_backward("dcmha::backward", cfg, q, k, v, lse, dout, dq, dk,
+                                               dv, compose, dcompose);
+  cpu::backward(cfg, dims, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
+}
+}  // namespace detail
+
+// Non-template overloads, so that views of mutable memory convert to the const views below
+// without spelling out the scalar type.
+#define DCMHA_DEFINE_ATTENTION_ENTRY_POINTS(T)                                                    \
+  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                      \
+                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,  \
+                      TensorView<acc_t<T>, 3> lse = {}, const ComposeWeights<T>& compose = {}) { \
+    detail::forward_impl<T>(cfg, q, k, v, out, lse, compose);                                    \
+  }                                                                                              \
+  inline void backward(const AttentionConfig& cfg, TensorView<const T, 4> q,                     \
+                       TensorView<const T, 4> k, TensorView<const T, 4> v,                       \
+                       TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout,           \
+                       TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,            \
+                       const ComposeWeights<T>& compose = {},                                    \
+                       const ComposeGrads<T>& dcompose = {}) {                                   \
+    detail::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);            \
+  }
+
+DCMHA_DEFINE_ATTENTION_ENTRY_POINTS(float)
+DCMHA_DEFINE_ATTENTION_ENTRY_POINTS(double)
+#undef DCMHA_DEFINE_ATTENTION_ENTRY_POINTS
+
+}  // namespace dcmha

@@ -1,0 +1,36 @@
+#pragma once
+// AttentionConfig: everything about an attention call that is not a tensor.
+#include <cstdint>
+
+namespace dcmha {
+
+enum class Mask {
+  full,    ///< every query sees every key
+  causal,  ///< query t sees key s iff s <= t + (S - T) (bottom-right aligned, spec section 1)
+};
+
+struct AttentionConfig {
+  Mask mask = Mask::causal;
+  /// Score scale; a value <= 0 means 1/sqrt(D), the default of the spec.
+  double scale = 0.0;
+  /// Sliding window W (spec section 1): with W > 0, query t additionally needs
+  /// (t + S - T) - s < W. 0 means no window.
+  std::int64_t window = 0;
+  /// OpenMP threads for this call; 0 means omp_get_max_threads().
+  int num_threads = 0;
+};
+
+/// The type softmax statistics and reductions are accumulated in (float for float and narrower
+/// storage types, double for double).
+template <class T>
+struct accumulator {
+  using type = float;
+};
+template <>
+struct accumulator<double> {
+  using type = double;
+};
+template <class T>
+using acc_t = typename accumulator<T>::type;
+
+}  // namespace dcmha

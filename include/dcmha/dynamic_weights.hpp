@@ -1,0 +1,89 @@
+#pragma once
+// The dynamic weight projection (spec section 2): hidden state x -> the twelve dynamic compose
+// tensors (pre/post x query/key x {w1, w2, dd}), with the official DCFormer parameter layout.
+#include "compose_weights.hpp"
+#include "config.hpp"
+#include "error.hpp"
+#include "tensor.hpp"
+
+namespace dcmha {
+
+enum class Gelu {
+  erf,   ///< exact GELU, official PyTorch inference
+  tanh,  ///< tanh approximation, JAX nn.gelu default used in official training
+};
+
+struct ProjectionConfig {
+  Gelu gelu = Gelu::erf;
+  /// epsilon of the RMS norm of w1 over the M heads
+  double eps = 1e-6;
+  /// OpenMP threads for this call; 0 means omp_get_max_threads().
+  int num_threads = 0;
+};
+
+/// Parameters, official layout (`layers.N.attention.dyn_w_proj.*`):
+///   dw1 (E, G, 4, K), qkw (G, 4, K, 2R, M), dd (E, G, 4M).
+/// Split c = 0..3 is pre/query, pre/key, post/query, post/key.
+template <class T>
+struct DynamicWeightProjection {
+  TensorView<const T, 4> dw1;
+  TensorView<const T, 5> qkw;
+  TensorView<const T, 3> dd;
+};
+
+template <class T>
+struct DynamicWeightProjectionGrads {
+  TensorView<T, 4> dw1;
+  TensorView<T, 5> qkw;
+  TensorView<T, 3> dd;
+};
+
+/// One side's dynamic tensors over positions l of the input: w1/w2 (B, L, G, R, M), dd (B, L, G, M).
+/// Use T = const float for read-only views (e.g. upstream gradients).
+template <class T>
+struct DynamicWeightsSide {
+  TensorView<T, 5> qw1, qw2, kw1, kw2;
+  TensorView<T, 4> qdd, kdd;
+};
+
+template <class T>
+struct DynamicWeights {
+  DynamicWeightsSide<T> pre, post;
+};
+
+/// Self-attention compose weights from a projection's output (queries and keys are the same
+/// positions): query- and key-wise terms on, static terms on where a W (G, M, M) is given.
+template <class T, class U>
+inline ComposeWeights<T> compose_weights(const DynamicWeights<U>& dw, TensorView<const T, 3> pre_w = {},
+                                         TensorView<const T, 3> post_w = {}) {
+  static_assert(std::is_same_v<std::remove_const_t<U>, T>, "scalar types differ");
+  auto side = [](const DynamicWeightsSide<U>& s, TensorView<const T, 3> w) {
+    ComposeTerms<T> c;
+    c.static_w = !w.empty();
+    c.query_wise = c.key_wise = true;
+    c.w = w;
+    c.qw1 = s.qw1; c.qw2 = s.qw2; c.qdd = s.qdd;
+    c.kw1 = s.kw1; c.kw2 = s.kw2; c.kdd = s.kdd;
+    return c;
+  };
+  return {side(dw.pre, pre_w), side(dw.post, post_w)};
+}
+
+/// The matching gradient views: attention backward writes d(compose inputs) straight into the
+/// buffers that dynamic_weights_backward then reads as its upstream gradients.
+template <class T>
+inline ComposeGrads<T> compose_grads(const DynamicWeights<T>& g, TensorView<T, 3> pre_w = {},
+                                     TensorView<T, 3> post_w = {}) {
+  auto side = [](const DynamicWeightsSide<T>& s, TensorView<T, 3> w) {
+    ComposeTermGrads<T> c;
+    c.w = w;
+    c.qw1 = s.qw1; c.qw2 = s.qw2; c.qdd = s.qdd;
+    c.kw1 = s.kw1; c.kw2 = s.kw2; c.kdd = s.kdd;
+    return c;
+  };
+  return {side(g.pre, pre_w), side(g.post, post_w)};
+}
+
+}  // namespace dcmha
+
+#include "projection/dynamic_weights_impl.hpp"

@@ -1,0 +1,2 @@
+#pragma once
+// STUB: being written.
