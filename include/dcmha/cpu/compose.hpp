@@ -1,0 +1,319 @@
+#pragma once
+// Compose (spec section 1) on chunks of score / probability rows, and its transpose.
+//
+// The kernels keep, for one query block, a panel [head m][row t][key s] of one group's M heads.
+// Compose mixes the M values at one (t, s), so it runs on a row chunk: M vectors of n <= kChunk
+// consecutive keys, one per head. Everything that depends on s (the key-wise terms) is held
+// transposed as [r][m][s] so that a chunk reads contiguous memory; everything that depends only
+// on t (the query-wise terms) is a handful of scalars per row.
+#include <algorithm>
+#include <vector>
+
+#include "../compose_weights.hpp"
+#include "../tensor.hpp"
+
+namespace dcmha::cpu {
+
+/// Keys per compose chunk: the chunk's key-wise terms ((2Rk + 1)·M·kChunk values) and its hidden
+/// vectors stay in L1 while the chunk is applied to every row of a query block.
+constexpr int kChunk = 32;
+
+/// One side's compose inputs for one (b, g) in kernel layout.
+template <class A>
+struct ComposeSide {
+  bool on = false, has_w = false, has_q = false, has_k = false;
+  index_t M = 0, Rq = 0, Rk = 0, ld = 0;
+  std::vector<A> w;         // [m][n]
+  std::vector<A> kw1, kw2;  // [r][m][ld]
+  std::vector<A> kdd;       // [m][ld]
+
+  template <class T>
+  void init(const ComposeTerms<T>& c, index_t M_, index_t S) {
+    on = c.enabled();
+    has_w = c.static_w;
+    has_q = c.query_wise;
+    has_k = c.key_wise;
+    M = M_;
+    Rq = has_q ? c.qw1.shape[3] : 0;
+    Rk = has_k ? c.kw1.shape[3] : 0;
+    ld = S;
+    if (has_w) w.assign(M * M, A(0));
+    if (has_k) {
+      kw1.assign(Rk * M * ld, A(0));
+      kw2.assign(Rk * M * ld, A(0));
+      kdd.assign(M * ld, A(0));
+    }
+  }
+
+  /// Loads group g of batch b; key-wise terms for keys [s0, s1) only, so threads can share the work.
+  template <class T>
+  void load(const ComposeTerms<T>& c, index_t b, index_t g, index_t s0, index_t s1) {
+    if (has_w && s0 == 0)
+      for (index_t m = 0; m < M; ++m)
+        for (index_t n = 0; n < M; ++n) w[m * M + n] = A(c.w(g, m, n));
+    if (has_k)
+      for (index_t s = s0; s < s1; ++s)
+        for (index_t m = 0; m < M; ++m) {
+          for (index_t r = 0; r < Rk; ++r) {
+            kw1[(r * M + m) * ld + s] = A(c.kw1(b, s, g, r, m));
+            kw2[(r * M + m) * ld + s] = A(c.kw2(b, s, g, r, m));
+          }
+          kdd[m * ld + s] = A(c.kdd(b, s, g, m));
+        }
+  }
+
+  /// Scratch a chunk needs: hidden vectors for every rank plus one M x kChunk staging block.
+  index_t scratch_size() const { return (2 * (Rq + Rk) + M) * kChunk; }
+};
+
+/// The query-wise terms of one row t.
+template <class A>
+struct ComposeRow {
+  std::vector<A> qw1, qw2;  // [r][m]
+  std::vector<A> qdd;       // [m]
+
+  void init(const ComposeSide<A>& side) {
+    qw1.assign(side.Rq * side.M, A(0));
+    qw2.assign(side.Rq * side.M, A(0));
+    qdd.assign(side.M, A(0));
+  }
+  template <class T>
+  void load(const ComposeSide<A>& side, const ComposeTerms<T>& c, index_t b, index_t t, index_t g) {
+    if (!side.has_q) return;
+    for (index_t r = 0; r < side.Rq; ++r)
+      for (index_t m = 0; m < side.M; ++m) {
+        qw1[r * side.M + m] = A(c.qw1(b, t, g, r, m));
+        qw2[r * side.M + m] = A(c.qw2(b, t, g, r, m));
+      }
+    for (index_t m = 0; m < side.M; ++m) qdd[m] = A(c.qdd(b, t, g, m));
+  }
+};
+
+/// dst[n][j] = Compose(src[:, j])_n for the n keys s .. s+n-1 of one row. src and dst hold head m
+/// at src + m*src_hs (resp. dst + m*dst_hs) and may be the same memory.
+template <class A>
+inline void compose_chunk(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s, int n,
+                          const A* src, index_t src_hs, A* dst, index_t dst_hs, A* scratch) {
+  const index_t M = c.M, Rq = c.Rq, Rk = c.Rk, ld = c.ld;
+  A* qh = scratch;                 // [Rq][kChunk]
+  A* kh = qh + Rq * kChunk;        // [Rk][kChunk]
+  A* mix = kh + Rk * kChunk;       // [M][kChunk], static term staged (dst may alias src)
+  for (index_t i = 0; i < (Rq + Rk) * kChunk; ++i) qh[i] = A(0);
+  for (index_t m = 0; m < M; ++m) {
+    const A* a = src + m * src_hs;
+    for (index_t r = 0; r < Rq; ++r) {
+      const A w1 = q.qw1[r * M + m];
+      A* h = qh + r * kChunk;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) h[j] += a[j] * w1;
+    }
+    for (index_t r = 0; r < Rk; ++r) {
+      const A* w1 = c.kw1.data() + (r * M + m) * ld + s;
+      A* h = kh + r * kChunk;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) h[j] += a[j] * w1[j];
+    }
+  }
+  if (c.has_w) {
+    for (index_t o = 0; o < M; ++o) {
+      A* x = mix + o * kChunk;
+      for (int j = 0; j < n; ++j) x[j] = A(0);
+      for (index_t m = 0; m < M; ++m) {
+        const A w = c.w[m * M + o];
+        const A* a = src + m * src_hs;
+#pragma omp simd
+        for (int j = 0; j < n; ++j) x[j] += a[j] * w;
+      }
+    }
+  }
+  for (index_t o = 0; o < M; ++o) {
+    const A* a = src + o * src_hs;
+    A* d = dst + o * dst_hs;
+    const A gq = A(1) + (c.has_q ? q.qdd[o] : A(0));
+    if (c.has_k) {
+      const A* kd = c.kdd.data() + o * ld + s;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) d[j] = a[j] * (gq + kd[j]);
+    } else {
+#pragma omp simd
+      for (int j = 0; j < n; ++j) d[j] = a[j] * gq;
+    }
+    for (index_t r = 0; r < Rq; ++r) {
+      const A w2 = q.qw2[r * M + o];
+      const A* h = qh + r * kChunk;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) d[j] += h[j] * w2;
+    }
+    for (index_t r = 0; r < Rk; ++r) {
+      const A* w2 = c.kw2.data() + (r * M + o) * ld + s;
+      const A* h = kh + r * kChunk;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) d[j] += h[j] * w2[j];
+    }
+    if (c.has_w) {
+      const A* x = mix + o * kChunk;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) d[j] += x[j];
+    }
+  }
+}
+
+/// Gradient accumulators of one side's query-wise terms for one row.
+template <class A>
+struct ComposeRowGrads {
+  std::vector<A> qw1, qw2, qdd;  // [r][m], [r][m], [m]
+  void init(const ComposeSide<A>& c) {
+    qw1.assign(c.Rq * c.M, A(0));
+    qw2.assign(c.Rq * c.M, A(0));
+    qdd.assign(c.M, A(0));
+  }
+  void zero() {
+    std::fill(qw1.begin(), qw1.end(), A(0));
+    std::fill(qw2.begin(), qw2.end(), A(0));
+    std::fill(qdd.begin(), qdd.end(), A(0));
+  }
+};
+
+/// Gradient accumulators of one side's key-wise terms for one (b, g), same layout as ComposeSide
+/// ([r][m][s]); each key is owned by one thread, so they are shared without races.
+template <class A>
+struct ComposeKeyGrads {
+  std::vector<A> kw1, kw2, kdd;
+  void init(const ComposeSide<A>& c) {
+    kw1.assign(c.Rk * c.M * c.ld, A(0));
+    kw2.assign(c.Rk * c.M * c.ld, A(0));
+    kdd.assign(c.M * c.ld, A(0));
+  }
+};
+
+/// The transpose of compose_chunk. Given the compose input `a` and the gradient `gp` of its
+/// output on one row chunk, writes the gradient of the input to g (which may alias gp) and adds
+/// the weights' gradients: the row's query-wise ones to rg, the key-wise ones to kg (at keys
+/// s .. s+n-1), the static one to dw ([m][n]).
+template <class A>
+inline void compose_chunk_backward(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s,
+                                   int n, const A* a, index_t a_hs, const A* gp, index_t gp_hs,
+                                   A* g, index_t g_hs, ComposeRowGrads<A>& rg,
+                                   ComposeKeyGrads<A>& kg, A* dw, A* scratch) {
+  const index_t M = c.M, Rq = c.Rq, Rk = c.Rk, ld = c.ld;
+  A* qh = scratch;                 // [Rq][kChunk]  sum_m a_m qw1_rm
+  A* kh = qh + Rq * kChunk;        // [Rk][kChunk]  sum_m a_m kw1_rm
+  A* gq = kh + Rk * kChunk;        // [Rq][kChunk]  sum_n qw2_rn gp_n
+  A* gk = gq + Rq * kChunk;        // [Rk][kChunk]  sum_n kw2_rn gp_n
+  A* mix = gk + Rk * kChunk;       // [M][kChunk]   static term staged (g may alias gp)
+  for (index_t i = 0; i < 2 * (Rq + Rk) * kChunk; ++i) qh[i] = A(0);
+  for (index_t m = 0; m < M; ++m) {
+    const A* am = a + m * a_hs;
+    const A* gm = gp + m * gp_hs;
+    for (index_t r = 0; r < Rq; ++r) {
+      const A w1 = q.qw1[r * M + m], w2 = q.qw2[r * M + m];
+      A* h = qh + r * kChunk;
+      A* e = gq + r * kChunk;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) {
+        h[j] += am[j] * w1;
+        e[j] += gm[j] * w2;
+      }
+    }
+    for (index_t r = 0; r < Rk; ++r) {
+      const A* w1 = c.kw1.data() + (r * M + m) * ld + s;
+      const A* w2 = c.kw2.data() + (r * M + m) * ld + s;
+      A* h = kh + r * kChunk;
+      A* e = gk + r * kChunk;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) {
+        h[j] += am[j] * w1[j];
+        e[j] += gm[j] * w2[j];
+      }
+    }
+  }
+  // Weight gradients read a and gp, so they come before g (which may overwrite gp).
+  for (index_t m = 0; m < M; ++m) {
+    const A* am = a + m * a_hs;
+    const A* gm = gp + m * gp_hs;
+    for (index_t r = 0; r < Rq; ++r) {
+      const A* h = qh + r * kChunk;
+      const A* e = gq + r * kChunk;
+      A s1 = 0, s2 = 0;
+#pragma omp simd reduction(+ : s1, s2)
+      for (int j = 0; j < n; ++j) {
+        s1 += am[j] * e[j];  // d qw1[r][m]
+        s2 += h[j] * gm[j];  // d qw2[r][m]
+      }
+      rg.qw1[r * M + m] += s1;
+      rg.qw2[r * M + m] += s2;
+    }
+    for (index_t r = 0; r < Rk; ++r) {
+      const A* h = kh + r * kChunk;
+      const A* e = gk + r * kChunk;
+      A* d1 = kg.kw1.data() + (r * M + m) * ld + s;
+      A* d2 = kg.kw2.data() + (r * M + m) * ld + s;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) {
+        d1[j] += am[j] * e[j];
+        d2[j] += h[j] * gm[j];
+      }
+    }
+    if (c.has_q) {
+      A sd = 0;
+#pragma omp simd reduction(+ : sd)
+      for (int j = 0; j < n; ++j) sd += am[j] * gm[j];
+      rg.qdd[m] += sd;
+    }
+    if (c.has_k) {
+      A* dd = kg.kdd.data() + m * ld + s;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) dd[j] += am[j] * gm[j];
+    }
+  }
+  if (c.has_w) {
+    for (index_t m = 0; m < M; ++m) {
+      const A* am = a + m * a_hs;
+      A* x = mix + m * kChunk;
+      for (int j = 0; j < n; ++j) x[j] = A(0);
+      for (index_t o = 0; o < M; ++o) {
+        const A* go = gp + o * gp_hs;
+        const A w = c.w[m * M + o];
+        A sw = 0;
+#pragma omp simd reduction(+ : sw)
+        for (int j = 0; j < n; ++j) {
+          x[j] += go[j] * w;
+          sw += am[j] * go[j];
+        }
+        dw[m * M + o] += sw;
+      }
+    }
+  }
+  for (index_t m = 0; m < M; ++m) {
+    const A* gm = gp + m * gp_hs;
+    A* out = g + m * g_hs;
+    const A gqd = A(1) + (c.has_q ? q.qdd[m] : A(0));
+    if (c.has_k) {
+      const A* kd = c.kdd.data() + m * ld + s;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) out[j] = gm[j] * (gqd + kd[j]);
+    } else {
+#pragma omp simd
+      for (int j = 0; j < n; ++j) out[j] = gm[j] * gqd;
+    }
+    for (index_t r = 0; r < Rq; ++r) {
+      const A w1 = q.qw1[r * M + m];
+      const A* e = gq + r * kChunk;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) out[j] += e[j] * w1;
+    }
+    for (index_t r = 0; r < Rk; ++r) {
+      const A* w1 = c.kw1.data() + (r * M + m) * ld + s;
+      const A* e = gk + r * kChunk;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) out[j] += e[j] * w1[j];
+    }
+    if (c.has_w) {
+      const A* x = mix + m * kChunk;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) out[j] += x[j];
+    }
+  }
+}
+
+}  // namespace dcmha::cpu

@@ -1,0 +1,58 @@
+#pragma once
+// Thread-team helpers. The kernels run one OpenMP team per call; inside it, every thread takes a
+// contiguous share of the keys of the current query block (see forward.hpp for why).
+#include <algorithm>
+
+#include "../config.hpp"
+#include "../tensor.hpp"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace dcmha::cpu {
+
+inline int thread_count(int requested) {
+#ifdef _OPENMP
+  return requested > 0 ? requested : omp_get_max_threads();
+#else
+  (void)requested;
+  return 1;
+#endif
+}
+
+inline int thread_id() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+inline int team_size() {
+#ifdef _OPENMP
+  return omp_get_num_threads();
+#else
+  return 1;
+#endif
+}
+
+inline void barrier() {
+#ifdef _OPENMP
+#pragma omp barrier
+#endif
+}
+
+/// Share `part` of `parts` of [begin, end), boundaries rounded to multiples of `align` (relative
+/// to begin) so that vector loops start aligned with the chunk grid. Deterministic in its inputs.
+inline void split_range(index_t begin, index_t end, int part, int parts, index_t align,
+                        index_t& b, index_t& e) {
+  const index_t n = std::max<index_t>(end - begin, 0);
+  const index_t units = (n + align - 1) / align;
+  const index_t u0 = units * part / parts, u1 = units * (part + 1) / parts;
+  b = std::min(end, begin + u0 * align);
+  e = std::min(end, begin + u1 * align);
+  if (e < b) e = b;
+}
+
+}  // namespace dcmha::cpu
