@@ -58,6 +58,9 @@ struct FdCase {
   ProblemSpec spec;
 };
 
+// Without it gtest prints a failing case as a hex dump.
+void PrintTo(const FdCase& c, std::ostream* os) { *os << c.name << " (" << c.spec.str() << ")"; }
+
 ProblemSpec make(int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t S, int64_t D, int64_t Dv,
                  int64_t G, int64_t Rq, int64_t Rk, bool causal, int64_t window, SideSpec pre,
                  SideSpec post) {
@@ -191,6 +194,65 @@ TEST(ReferenceMasking, WindowCountsTheQueryItself) {
   const Problem p = dcmha::test::random_problem(spec, 3);
   const std::vector<double> out = dcmha::reference::forward(p);
   EXPECT_LT(dcmha::test::max_rel_error(p.v, out), 1e-15);
+}
+
+TEST(ReferenceMasking, VisibleKeysPerRow) {
+  // Spelled out by hand from spec section 1, so the rule itself is checked, not just its use.
+  Problem p;
+  p.T = 6; p.S = 6; p.causal = true; p.window = 3;
+  const std::vector<std::vector<int>> causal_w3 = {{0}, {0, 1}, {0, 1, 2}, {1, 2, 3}, {2, 3, 4}, {3, 4, 5}};
+  Problem q;
+  q.T = 3; q.S = 5; q.causal = false; q.window = 2;  // last = t + 2; keys after it stay visible
+  const std::vector<std::vector<int>> full_w2 = {{1, 2, 3, 4}, {2, 3, 4}, {3, 4}};
+  Problem r;
+  r.T = 4; r.S = 2; r.causal = true;  // last = t - 2
+  const std::vector<std::vector<int>> causal_TgtS = {{}, {}, {0}, {0, 1}};
+  for (const auto& [prob, want] : {std::pair{&p, causal_w3}, std::pair{&q, full_w2}, std::pair{&r, causal_TgtS}})
+    for (int64_t t = 0; t < prob->T; ++t) {
+      std::vector<int> got;
+      for (int s = 0; s < prob->S; ++s)
+        if (dcmha::reference::detail::visible(*prob, t, s)) got.push_back(s);
+      EXPECT_EQ(got, want[t]) << "T " << prob->T << " S " << prob->S << " t " << t;
+    }
+}
+
+// Finite differences cannot see which kv head a query head reads, and the conformance cases
+// have Hk = H: pin the GQA convention (head h reads kv head h / (H / Hk)) against MHA with the
+// kv heads repeated, whose dk/dv summed over each group of repeats must equal GQA's.
+TEST(ReferenceGqa, EqualsMhaWithRepeatedKvHeads) {
+  ProblemSpec spec = make(2, 6, 2, 4, 5, 3, 2, 2, 2, 1, true, 0, kAll, kDynamic);
+  const Problem gqa = dcmha::test::random_problem(spec, 11);
+  Problem mha = gqa;
+  mha.Hk = gqa.H;
+  const int64_t rep = gqa.H / gqa.Hk;
+  mha.k.clear();
+  mha.v.clear();
+  for (int64_t b = 0; b < gqa.B; ++b)
+    for (int64_t h = 0; h < gqa.H; ++h) {
+      const int64_t j = h / rep;
+      auto k0 = gqa.k.begin() + (b * gqa.Hk + j) * gqa.S * gqa.D;
+      auto v0 = gqa.v.begin() + (b * gqa.Hk + j) * gqa.S * gqa.Dv;
+      mha.k.insert(mha.k.end(), k0, k0 + gqa.S * gqa.D);
+      mha.v.insert(mha.v.end(), v0, v0 + gqa.S * gqa.Dv);
+    }
+  EXPECT_LT(dcmha::test::max_rel_error(dcmha::reference::forward(mha), dcmha::reference::forward(gqa)), 1e-14);
+
+  const std::vector<double> dout = dcmha::test::random_dout(gqa, 12);
+  const Gradients gg = dcmha::reference::backward(gqa, dout);
+  const Gradients gm = dcmha::reference::backward(mha, dout);
+  std::vector<double> dk(gqa.k.size(), 0.0), dv(gqa.v.size(), 0.0);
+  for (int64_t b = 0; b < gqa.B; ++b)
+    for (int64_t h = 0; h < gqa.H; ++h) {
+      const int64_t j = h / rep;
+      for (int64_t i = 0; i < gqa.S * gqa.D; ++i)
+        dk[(b * gqa.Hk + j) * gqa.S * gqa.D + i] += gm.dk[(b * gqa.H + h) * gqa.S * gqa.D + i];
+      for (int64_t i = 0; i < gqa.S * gqa.Dv; ++i)
+        dv[(b * gqa.Hk + j) * gqa.S * gqa.Dv + i] += gm.dv[(b * gqa.H + h) * gqa.S * gqa.Dv + i];
+    }
+  EXPECT_LT(dcmha::test::max_rel_error(gm.dq, gg.dq), 1e-13);
+  EXPECT_LT(dcmha::test::max_rel_error(dk, gg.dk), 1e-13);
+  EXPECT_LT(dcmha::test::max_rel_error(dv, gg.dv), 1e-13);
+  EXPECT_LT(dcmha::test::max_rel_error(gm.dpre.kw1, gg.dpre.kw1), 1e-13);
 }
 
 // ---------------------------------------------------------------------------------------------
