@@ -1,38 +1,95 @@
 #pragma once
 // Argument checks of the public entry points. Each failure throws dcmha::Error naming the
-// argument, the expected value and the actual one.
+// function, the argument, the expected value and the actual one, e.g.
+//   "dcmha::forward: k.shape[3] (D): expected 64 (q.shape[3]), got 32".
+// The checks run in a fixed order (config, presence, shapes, strides, head counts, compose,
+// overlap), so every later check may rely on the earlier ones having passed.
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "../compose_weights.hpp"
 #include "../config.hpp"
 #include "../error.hpp"
 #include "../tensor.hpp"
 #include "dims.hpp"
+#include "validate_compose.hpp"
+#include "validate_tensor.hpp"
 
 namespace dcmha::detail {
 
-template <class V>
-void check_dim(const char* fn, const char* name, const V& t, int d, index_t expected,
-               const char* what) {
-  if (t.shape[d] != expected)
-    fail(fn, ": ", name, ".shape[", d, "] (", what, "): expected ", expected, ", got ", t.shape[d]);
+inline void validate_config(const char* fn, const AttentionConfig& cfg) {
+  if (cfg.window < 0) fail(fn, ": cfg.window: expected >= 0 (0 = no window), got ", cfg.window);
+  if (cfg.num_threads < 0)
+    fail(fn, ": cfg.num_threads: expected >= 0 (0 = all threads), got ", cfg.num_threads);
+  // A NaN or infinite scale turns every score into NaN; <= 0 is the documented "default".
+  if (!std::isfinite(cfg.scale)) fail(fn, ": cfg.scale: expected a finite value, got ", cfg.scale);
 }
 
+/// Sizes taken from q, k, v; every other tensor is checked against these.
 template <class T>
-index_t compose_groups(const char* fn, const ComposeWeights<T>& c, index_t H) {
-  index_t G = 0;
-  auto take = [&](const char* name, index_t g) {
-    if (G == 0) G = g;
-    else if (g != G) fail(fn, ": ", name, ": group count G expected ", G, ", got ", g);
-  };
-  for (const ComposeTerms<T>* s : {&c.pre, &c.post}) {
-    if (s->static_w && !s->w.empty()) take("compose w.shape[0]", s->w.shape[0]);
-    if (s->query_wise && !s->qw1.empty()) take("compose qw1.shape[2]", s->qw1.shape[2]);
-    if (s->key_wise && !s->kw1.empty()) take("compose kw1.shape[2]", s->kw1.shape[2]);
-  }
-  if (G == 0) return H;  // no compose: heads are independent, one head per group
-  return G;
+AttentionDims validate_qkv(const char* fn, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                           TensorView<const T, 4> v) {
+  require_given(fn, "q", q, "(B, H, T, D)");
+  require_given(fn, "k", k, "(B, Hk, S, D)");
+  require_given(fn, "v", v, "(B, Hk, S, Dv)");
+  check_positive(fn, "q", q, 0, "B");
+  check_positive(fn, "q", q, 1, "H");
+  check_positive(fn, "q", q, 2, "T");
+  check_positive(fn, "q", q, 3, "D");
+  check_positive(fn, "k", k, 1, "Hk");
+  check_positive(fn, "k", k, 2, "S");
+  check_positive(fn, "v", v, 3, "Dv");
+  AttentionDims d;
+  d.B = q.shape[0];
+  d.H = q.shape[1];
+  d.T = q.shape[2];
+  d.D = q.shape[3];
+  d.Hk = k.shape[1];
+  d.S = k.shape[2];
+  d.Dv = v.shape[3];
+  check_dim(fn, "k", k, 0, d.B, "B", "q.shape[0]");
+  check_dim(fn, "k", k, 3, d.D, "D", "q.shape[3]");
+  check_dim(fn, "v", v, 0, d.B, "B", "q.shape[0]");
+  check_dim(fn, "v", v, 1, d.Hk, "Hk", "k.shape[1]");
+  check_dim(fn, "v", v, 2, d.S, "S", "k.shape[2]");
+  // GQA: head h reads kv head h / (H / Hk), which needs whole groups of query heads.
+  if (d.H % d.Hk != 0)
+    fail(fn, ": k.shape[1] (Hk): expected a divisor of H = ", d.H, " (q.shape[1]), got ", d.Hk);
+  return d;
+}
+
+/// A tensor of logical shape (B, H, T, Dv): out in forward, dout in backward.
+template <class V>
+void check_bhtdv(const char* fn, const char* name, const V& t, const AttentionDims& d) {
+  require_given(fn, name, t, "(B, H, T, Dv)");
+  check_dim(fn, name, t, 0, d.B, "B", "q.shape[0]");
+  check_dim(fn, name, t, 1, d.H, "H", "q.shape[1]");
+  check_dim(fn, name, t, 2, d.T, "T", "q.shape[2]");
+  check_dim(fn, name, t, 3, d.Dv, "Dv", "v.shape[3]");
+}
+
+template <class V>
+void check_lse_shape(const char* fn, const V& lse, const AttentionDims& d) {
+  check_dim(fn, "lse", lse, 0, d.B, "B", "q.shape[0]");
+  check_dim(fn, "lse", lse, 1, d.H, "H", "q.shape[1]");
+  check_dim(fn, "lse", lse, 2, d.T, "T", "q.shape[2]");
+}
+
+/// A gradient has exactly the logical shape of the tensor it differentiates.
+template <class V, class W>
+void check_same_shape(const char* fn, const char* name, const V& t, const char* src, const W& ref,
+                      const char* const* what) {
+  for (int i = 0; i < V::rank; ++i)
+    check_dim(fn, name, t, i, ref.shape[i], what[i],
+              std::string(src) + ".shape[" + std::to_string(i) + "]");
+}
+
+/// Strides of an attention activation: non-negative and a contiguous head dim.
+template <class V>
+void check_activation_strides(const char* fn, const char* name, const V& t) {
+  check_strides(fn, name, t);
+  check_inner_contiguous(fn, name, t);
 }
 
 template <class T>
@@ -40,13 +97,29 @@ AttentionDims validate_forward(const char* fn, const AttentionConfig& cfg, Tenso
                                TensorView<const T, 4> k, TensorView<const T, 4> v,
                                TensorView<T, 4> out, TensorView<acc_t<T>, 3> lse,
                                const ComposeWeights<T>& compose) {
-  (void)cfg;
-  AttentionDims d;
-  d.B = q.shape[0]; d.H = q.shape[1]; d.T = q.shape[2]; d.D = q.shape[3];
-  d.Hk = k.shape[1]; d.S = k.shape[2]; d.Dv = v.shape[3];
-  d.G = compose_groups(fn, compose, d.H);
+  validate_config(fn, cfg);
+  AttentionDims d = validate_qkv(fn, q, k, v);
+  check_bhtdv(fn, "out", out, d);
+  if (!lse.empty()) check_lse_shape(fn, lse, d);  // empty: inference, no statistics kept
+
+  check_activation_strides(fn, "q", q);
+  check_activation_strides(fn, "k", k);
+  check_activation_strides(fn, "v", v);
+  check_activation_strides(fn, "out", out);
+  check_no_self_overlap(fn, "out", out);
+  if (!lse.empty()) {
+    check_strides(fn, "lse", lse);
+    check_no_self_overlap(fn, "lse", lse);
+  }
+
+  std::vector<ByteRange> inputs{byte_range("q", q), byte_range("k", k), byte_range("v", v)};
+  const ComposeRefs refs{{d.B, "q.shape[0]"}, {d.T, "q.shape[2]"}, {d.S, "k.shape[2]"}, {}, {}};
+  d.G = validate_compose(fn, compose, d.H, refs, inputs);
   d.M = d.H / d.G;
-  (void)out; (void)lse;
+
+  std::vector<ByteRange> outputs{byte_range("out", out)};
+  if (!lse.empty()) outputs.push_back(byte_range("lse", lse));
+  check_disjoint(fn, outputs, inputs);
   return d;
 }
 
@@ -57,13 +130,44 @@ AttentionDims validate_backward(const char* fn, const AttentionConfig& cfg,
                                 TensorView<const T, 4> dout, TensorView<T, 4> dq,
                                 TensorView<T, 4> dk, TensorView<T, 4> dv,
                                 const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose) {
-  (void)lse; (void)dout; (void)dq; (void)dk; (void)dv; (void)dcompose;
-  AttentionDims d;
-  d.B = q.shape[0]; d.H = q.shape[1]; d.T = q.shape[2]; d.D = q.shape[3];
-  d.Hk = k.shape[1]; d.S = k.shape[2]; d.Dv = v.shape[3];
-  d.G = compose_groups(fn, compose, d.H);
+  static const char* const bhtd[] = {"B", "H", "T", "D"};
+  static const char* const bhsd[] = {"B", "Hk", "S", "D"};
+  static const char* const bhsdv[] = {"B", "Hk", "S", "Dv"};
+
+  validate_config(fn, cfg);
+  AttentionDims d = validate_qkv(fn, q, k, v);
+  // Backward recomputes the probabilities from the forward's statistics: lse is not optional.
+  require_given(fn, "lse", lse, "(B, H, T)");
+  check_lse_shape(fn, lse, d);
+  check_bhtdv(fn, "dout", dout, d);
+  require_given(fn, "dq", dq, "(B, H, T, D)");
+  require_given(fn, "dk", dk, "(B, Hk, S, D)");
+  require_given(fn, "dv", dv, "(B, Hk, S, Dv)");
+  check_same_shape(fn, "dq", dq, "q", q, bhtd);
+  check_same_shape(fn, "dk", dk, "k", k, bhsd);
+  check_same_shape(fn, "dv", dv, "v", v, bhsdv);
+
+  check_activation_strides(fn, "q", q);
+  check_activation_strides(fn, "k", k);
+  check_activation_strides(fn, "v", v);
+  check_strides(fn, "lse", lse);
+  check_activation_strides(fn, "dout", dout);
+  check_activation_strides(fn, "dq", dq);
+  check_activation_strides(fn, "dk", dk);
+  check_activation_strides(fn, "dv", dv);
+  check_no_self_overlap(fn, "dq", dq);
+  check_no_self_overlap(fn, "dk", dk);
+  check_no_self_overlap(fn, "dv", dv);
+
+  std::vector<ByteRange> inputs{byte_range("q", q), byte_range("k", k), byte_range("v", v),
+                                byte_range("lse", lse), byte_range("dout", dout)};
+  const ComposeRefs refs{{d.B, "q.shape[0]"}, {d.T, "q.shape[2]"}, {d.S, "k.shape[2]"}, {}, {}};
+  d.G = validate_compose(fn, compose, d.H, refs, inputs);
   d.M = d.H / d.G;
-  (void)cfg;
+
+  std::vector<ByteRange> outputs{byte_range("dq", dq), byte_range("dk", dk), byte_range("dv", dv)};
+  validate_compose_grads(fn, compose, dcompose, outputs);
+  check_disjoint(fn, outputs, inputs);
   return d;
 }
 
