@@ -82,6 +82,227 @@ void zero_rows(const TensorView<T, 4>& x, int tid, int nth) {
 
 }  // namespace detail_bwd
 
+/// Buffers one team shares while it works on one (batch, group).
+template <class A>
+struct BackwardWorkspace {
+  index_t Bq = 0, ld = 0, hs = 0;
+  ComposeSide<A> pre, post;
+  ComposeKeyGrads<A> pre_kg, post_kg;
+  std::vector<A> Lp, Pp, dPp;  // [m][row][key]
+  std::vector<A> d_part;       // [rank][m][row]
+  std::vector<A> dq_part;      // [rank][m][row][D]
+  // Two sets, alternating by block: a thread may start the next block while others still sum
+  // this block's query-wise gradients.
+  std::vector<ComposeRowGrads<A>> pre_rg, post_rg;  // [set][rank][row]
+
+  template <class T>
+  void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw, int team_size) {
+    const index_t M = d.M;
+    ld = round_up(d.S, 16);
+    Bq = query_block_rows<A>(M, ld, d.T, 3);
+    hs = Bq * ld;
+    pre.init(cw.pre, M, ld);
+    post.init(cw.post, M, ld);
+    if (pre.has_k) pre_kg.init(pre);
+    if (post.has_k) post_kg.init(post);
+    Lp.assign(pre.on ? M * hs : 0, A(0));
+    Pp.assign(M * hs, A(0));
+    dPp.assign(M * hs, A(0));
+    d_part.assign(team_size * M * Bq, A(0));
+    dq_part.assign(team_size * M * Bq * d.D, A(0));
+    pre_rg.resize(2 * team_size * Bq);
+    post_rg.resize(2 * team_size * Bq);
+    for (auto& r : pre_rg) r.init(pre);
+    for (auto& r : post_rg) r.init(post);
+  }
+};
+
+/// One (batch, group): every query block of it, the keys shared across the team. dK and dV of
+/// the group's kv heads must be zero on entry. dw_pre / dw_post: this thread's accumulators of
+/// the static weights' gradients for group g (M x M), or null.
+template <class T, class A>
+void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& mask, A scale,
+                    const detail::AttentionDims& d, index_t b, index_t g, TensorView<const T, 4> q,
+                    TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<const A, 3> lse,
+                    TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
+                    TensorView<T, 4> dv, const ComposeWeights<T>& cw, const ComposeGrads<T>& dcw,
+                    A* dw_pre, A* dw_post) {
+  using namespace detail_bwd;
+  const int tid = team.rank, nth = team.size;
+  const index_t M = d.M, D = d.D, group_of_kv = d.H / d.Hk;
+  const index_t Bq = ws.Bq, ld = ws.ld, hs = ws.hs;
+  constexpr index_t kTile = 2 * kChunk;  // keys per P' tile feeding the dV product
+  ComposeSide<A>& pre = ws.pre;
+  ComposeSide<A>& post = ws.post;
+  A* Lp = ws.Lp.data();
+  A* Pp = ws.Pp.data();
+  A* dPp = ws.dPp.data();
+
+  std::vector<ComposeRow<A>> pre_rows(Bq), post_rows(Bq);
+  for (auto& r : pre_rows) r.init(pre);
+  for (auto& r : post_rows) r.init(post);
+  std::vector<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
+  std::vector<A> ptile(post.on ? M * Bq * kTile : 0);
+  A* my_d = ws.d_part.data() + tid * M * Bq;
+
+  index_t s0, s1;
+  split_range(0, d.S, tid, nth, 1, s0, s1);
+  if (pre.on || post.on) {
+    if (pre.on) pre.load(cw.pre, b, g, s0, s1);
+    if (post.on) post.load(cw.post, b, g, s0, s1);
+    team.sync();
+  }
+  for (index_t t0 = 0; t0 < d.T; t0 += Bq) {
+    const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
+    const KeyRange keys = mask.rows(t0, t1);
+    index_t c0, c1;
+    split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
+    const index_t w = c1 - c0;
+    const index_t set = (t0 / Bq) % 2 * nth * Bq;
+    ComposeRowGrads<A>* my_pre_rg = ws.pre_rg.data() + set + tid * Bq;
+    ComposeRowGrads<A>* my_post_rg = ws.post_rg.data() + set + tid * Bq;
+    for (index_t i = 0; i < nr; ++i) {
+      pre_rows[i].load(pre, cw.pre, b, t0 + i, g);
+      post_rows[i].load(post, cw.post, b, t0 + i, g);
+      if (pre.has_q) my_pre_rg[i].zero();
+      if (post.has_q) my_post_rg[i].zero();
+    }
+
+    // 1. L, P (from the saved statistics), dP' = dO V^T, dV += P'^T dO, dP, D.
+    A* Ls = pre.on ? Lp : Pp;
+    for (index_t m = 0; m < M && w > 0; ++m) {
+      const index_t h = g * M + m, hk = h / group_of_kv;
+      Tile<A> L(Ls + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
+      L.noalias() = (rows_of(q, b, h, t0, nr) * rows_of(k, b, hk, c0, w).transpose()) * scale;
+      Tile<A> dPm(dPp + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
+      dPm.noalias() = rows_of(dout, b, h, t0, nr) * rows_of(v, b, hk, c0, w).transpose();
+    }
+    if (pre.on)
+      for (index_t cs = c0; cs < c1; cs += kChunk) {
+        const int n = int(std::min<index_t>(kChunk, c1 - cs));
+        for (index_t i = 0; i < nr; ++i)
+          compose_chunk(pre, pre_rows[i], cs, n, Lp + i * ld + cs, hs, Pp + i * ld + cs, hs,
+                        scratch.data());
+      }
+    for (index_t i = 0; i < nr; ++i) {
+      const KeyRange r = mask.row(t0 + i);
+      const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
+      for (index_t m = 0; m < M; ++m) {
+        A* row = Pp + m * hs + i * ld;
+        if (ve > vb) {
+          Segment<A> p(row + vb, ve - vb);
+          p = (p - lse(b, g * M + m, t0 + i)).exp();
+        }
+        for (index_t s = c0; s < std::min(vb, c1); ++s) row[s] = A(0);
+        for (index_t s = std::max(ve, c0); s < c1; ++s) row[s] = A(0);
+      }
+    }
+    for (index_t m = 0; m < M && w > 0 && !post.on; ++m) {
+      const index_t h = g * M + m, hk = h / group_of_kv;
+      mutable_rows_of(dv, b, hk, c0, w).noalias() +=
+          ConstTile<A>(Pp + m * hs + c0, nr, w, Eigen::OuterStride<>(ld)).transpose() *
+          rows_of(dout, b, h, t0, nr);
+    }
+    if (post.on) {
+      for (index_t ts = c0; ts < c1; ts += kTile) {
+        const index_t tw = std::min(kTile, c1 - ts);
+        for (index_t cs = ts; cs < ts + tw; cs += kChunk) {
+          const int n = int(std::min<index_t>(kChunk, ts + tw - cs));
+          for (index_t i = 0; i < nr; ++i)
+            compose_chunk(post, post_rows[i], cs, n, Pp + i * ld + cs, hs,
+                          ptile.data() + i * kTile + (cs - ts), Bq * kTile, scratch.data());
+        }
+        for (index_t m = 0; m < M; ++m) {
+          const index_t h = g * M + m, hk = h / group_of_kv;
+          mutable_rows_of(dv, b, hk, ts, tw).noalias() +=
+              ConstTile<A>(ptile.data() + m * Bq * kTile, nr, tw, Eigen::OuterStride<>(kTile)).transpose() *
+              rows_of(dout, b, h, t0, nr);
+        }
+      }
+      for (index_t cs = c0; cs < c1; cs += kChunk) {
+        const int n = int(std::min<index_t>(kChunk, c1 - cs));
+        for (index_t i = 0; i < nr; ++i) {
+          A* gp = dPp + i * ld + cs;
+          compose_chunk_backward(post, post_rows[i], cs, n, Pp + i * ld + cs, hs, gp, hs, gp, hs,
+                                 my_post_rg[i], ws.post_kg, dw_post, scratch.data());
+        }
+      }
+    }
+    for (index_t m = 0; m < M; ++m)
+      for (index_t i = 0; i < nr; ++i)
+        my_d[m * Bq + i] = w > 0 ? (Segment<A>(Pp + m * hs + i * ld + c0, w) *
+                                    Segment<A>(dPp + m * hs + i * ld + c0, w)).sum()
+                                 : A(0);
+    team.sync();
+
+    // 2. dL' = P (dP - D), dL = Compose_pre^T(dL'), dK += dL^T Q, this thread's part of dQ.
+    for (index_t m = 0; m < M && w > 0; ++m)
+      for (index_t i = 0; i < nr; ++i) {
+        A Dm = 0;
+        for (int j = 0; j < nth; ++j) Dm += ws.d_part[(j * M + m) * Bq + i];
+        Segment<A> dp(dPp + m * hs + i * ld + c0, w);
+        dp = Segment<A>(Pp + m * hs + i * ld + c0, w) * (dp - Dm);
+      }
+    if (pre.on)
+      for (index_t cs = c0; cs < c1; cs += kChunk) {
+        const int n = int(std::min<index_t>(kChunk, c1 - cs));
+        for (index_t i = 0; i < nr; ++i) {
+          A* gp = dPp + i * ld + cs;
+          compose_chunk_backward(pre, pre_rows[i], cs, n, Lp + i * ld + cs, hs, gp, hs, gp, hs,
+                                 my_pre_rg[i], ws.pre_kg, dw_pre, scratch.data());
+        }
+      }
+    for (index_t m = 0; m < M; ++m) {
+      const index_t h = g * M + m, hk = h / group_of_kv;
+      ConstTile<A> dL(dPp + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
+      if (w > 0) mutable_rows_of(dk, b, hk, c0, w).noalias() += (dL.transpose() * rows_of(q, b, h, t0, nr)) * scale;
+      if (nth == 1) {
+        // Alone on the group: write straight to the caller's gradient.
+        auto dQ = mutable_rows_of(dq, b, h, t0, nr);
+        if (w > 0) dQ.noalias() = (dL * rows_of(k, b, hk, c0, w)) * scale;
+        else dQ.setZero();
+        continue;
+      }
+      Tile<A> dQ(ws.dq_part.data() + (tid * M + m) * Bq * D, nr, D, Eigen::OuterStride<>(D));
+      if (w > 0) dQ.noalias() = (dL * rows_of(k, b, hk, c0, w)) * scale;
+      else dQ.setZero();
+    }
+    team.sync();
+
+    // 3. Sum dQ and the query-wise gradients over the team, a share of the rows each.
+    index_t r0, r1;
+    split_range(0, nr, tid, nth, 1, r0, r1);
+    for (index_t m = 0; m < M && nth > 1; ++m) {
+      const index_t h = g * M + m;
+      for (index_t i = r0; i < r1; ++i) {
+        T* o = dq.data + b * dq.stride[0] + h * dq.stride[1] + (t0 + i) * dq.stride[2];
+        const A* p0 = ws.dq_part.data() + (0 * M + m) * Bq * D + i * D;
+        for (index_t e = 0; e < D; ++e) o[e] = p0[e];
+        for (int j = 1; j < nth; ++j) {
+          const A* pj = ws.dq_part.data() + (j * M + m) * Bq * D + i * D;
+          for (index_t e = 0; e < D; ++e) o[e] += pj[e];
+        }
+      }
+    }
+    for (index_t i = r0; i < r1; ++i) {
+      store_row_grads(pre, ws.pre_rg.data() + set, Bq, nth, i, dcw.pre, b, t0 + i, g);
+      store_row_grads(post, ws.post_rg.data() + set, Bq, nth, i, dcw.post, b, t0 + i, g);
+    }
+  }
+  if (pre.has_k || post.has_k) {
+    team.sync();  // every block of this group has added its key-wise gradients
+    store_key_grads(pre, ws.pre_kg, dcw.pre, b, g, s0, s1);
+    store_key_grads(post, ws.post_kg, dcw.post, b, g, s0, s1);
+    for (auto* kg : {&ws.pre_kg, &ws.post_kg})
+      for (auto* vec : {&kg->kw1, &kg->kw2, &kg->kdd})
+        for (index_t r = 0; r < index_t(vec->size()) / ld; ++r)
+          std::fill(vec->data() + r * ld + s0, vec->data() + r * ld + s1, A(0));
+  }
+  team.sync();  // the next group reloads the compose sides
+}
+
+inline index_t gcd_index(index_t a, index_t b) { return b == 0 ? a : gcd_index(b, a % b); }
+
 template <class T>
 void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorView<const T, 4> q,
               TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
@@ -93,217 +314,69 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
   const int nt = thread_count(cfg.num_threads);
   const RowMask mask(cfg, d.T, d.S);
   const A scale = default_scale<A>(cfg.scale, d.D);
-  const index_t M = d.M, D = d.D, Dv = d.Dv, group_of_kv = d.H / d.Hk;
-  const index_t ld = round_up(d.S, 16);
-  const index_t Bq = query_block_rows<A>(M, ld, d.T, 3);
-  const index_t hs = Bq * ld;
-  constexpr index_t kTile = 2 * kChunk;  // keys per P' tile feeding the dV product
+  const index_t M = d.M, G = d.G, group_of_kv = d.H / d.Hk;
+  // Groups that share kv heads (GQA with fewer kv heads than a group has heads... or more) go to
+  // one owner together: a cluster spans lcm(M, H/Hk) heads, whose kv heads no other cluster reads.
+  const index_t cluster_heads = M / gcd_index(M, group_of_kv) * group_of_kv;
+  const index_t groups_per_item = cluster_heads / M;
+  const index_t items = d.B * (G / groups_per_item);
+  const bool independent = independent_items(items, nt);
+  const int team_size_ = independent ? 1 : nt;
 
-  ComposeSide<A> pre, post;
-  pre.init(cw.pre, M, ld);
-  post.init(cw.post, M, ld);
-  const bool composed = pre.on || post.on;
-  ComposeKeyGrads<A> pre_kg, post_kg;
-  if (pre.has_k) pre_kg.init(pre);
-  if (post.has_k) post_kg.init(post);
+  // Static weights' gradients: one M x M accumulator per (batch, team rank, group), summed in a
+  // fixed order at the end, so the result does not depend on which thread ran which item.
+  const bool w_pre = cw.pre.static_w, w_post = cw.post.static_w;
+  std::vector<A> dw_pre(w_pre ? d.B * team_size_ * G * M * M : 0, A(0));
+  std::vector<A> dw_post(w_post ? d.B * team_size_ * G * M * M : 0, A(0));
+  auto dw_slot = [&](std::vector<A>& buf, index_t b, int rank, index_t g) -> A* {
+    return buf.empty() ? nullptr : buf.data() + ((b * team_size_ + rank) * G + g) * M * M;
+  };
 
-  std::vector<A> Lp(pre.on ? M * hs : 0), Pp(M * hs), dPp(M * hs);
-  std::vector<A> d_part(nt * M * Bq);
-  std::vector<A> dq_part(nt * M * Bq * D);
-  // Two sets, alternating by block: a thread may start the next block while others still sum
-  // this block's query-wise gradients.
-  std::vector<ComposeRowGrads<A>> pre_rg(2 * nt * Bq), post_rg(2 * nt * Bq);
-  for (auto& r : pre_rg) r.init(pre);
-  for (auto& r : post_rg) r.init(post);
-  std::vector<A> dw_pre(pre.has_w ? nt * d.G * M * M : 0), dw_post(post.has_w ? nt * d.G * M * M : 0);
-
+  if (independent) {
 #pragma omp parallel num_threads(nt)
-  {
-    const int tid = thread_id(), nth = team_size();
-    std::vector<ComposeRow<A>> pre_rows(Bq), post_rows(Bq);
-    for (auto& r : pre_rows) r.init(pre);
-    for (auto& r : post_rows) r.init(post);
-    std::vector<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
-    std::vector<A> ptile(post.on ? M * Bq * kTile : 0);
-    A* my_d = d_part.data() + tid * M * Bq;
-
-    zero_rows(dk, tid, nth);
-    zero_rows(dv, tid, nth);
-    barrier();
-
-    for (index_t b = 0; b < d.B; ++b) {
-      for (index_t g = 0; g < d.G; ++g) {
-        A* my_dw_pre = pre.has_w ? dw_pre.data() + (tid * d.G + g) * M * M : nullptr;
-        A* my_dw_post = post.has_w ? dw_post.data() + (tid * d.G + g) * M * M : nullptr;
-        index_t s0, s1;
-        split_range(0, d.S, tid, nth, 1, s0, s1);
-        if (composed) {
-          if (pre.on) pre.load(cw.pre, b, g, s0, s1);
-          if (post.on) post.load(cw.post, b, g, s0, s1);
-          barrier();
-        }
-        for (index_t t0 = 0; t0 < d.T; t0 += Bq) {
-          const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
-          const KeyRange keys = mask.rows(t0, t1);
-          index_t c0, c1;
-          split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
-          const index_t w = c1 - c0;
-          ComposeRowGrads<A>* my_pre_rg = pre_rg.data() + ((t0 / Bq) % 2 * nt + tid) * Bq;
-          ComposeRowGrads<A>* my_post_rg = post_rg.data() + ((t0 / Bq) % 2 * nt + tid) * Bq;
-          for (index_t i = 0; i < nr; ++i) {
-            pre_rows[i].load(pre, cw.pre, b, t0 + i, g);
-            post_rows[i].load(post, cw.post, b, t0 + i, g);
-            if (pre.has_q) my_pre_rg[i].zero();
-            if (post.has_q) my_post_rg[i].zero();
+    {
+      BackwardWorkspace<A> ws;
+      ws.init(d, cw, 1);
+#pragma omp for schedule(dynamic, 1)
+      for (index_t it = 0; it < items; ++it) {
+        const index_t b = it / (G / groups_per_item), g0 = it % (G / groups_per_item) * groups_per_item;
+        const index_t hk0 = g0 * M / group_of_kv, hk1 = (g0 + groups_per_item) * M / group_of_kv;
+        for (index_t hk = hk0; hk < hk1; ++hk)
+          for (index_t s = 0; s < d.S; ++s) {
+            mutable_rows_of(dk, b, hk, s, 1).setZero();
+            mutable_rows_of(dv, b, hk, s, 1).setZero();
           }
-
-          // 1. L, P (from the saved statistics), dP' = dO V^T, dV += P'^T dO, dP, D.
-          A* Ls = pre.on ? Lp.data() : Pp.data();
-          for (index_t m = 0; m < M && w > 0; ++m) {
-            const index_t h = g * M + m, hk = h / group_of_kv;
-            Tile<A> L(Ls + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
-            L.noalias() = (rows_of(q, b, h, t0, nr) * rows_of(k, b, hk, c0, w).transpose()) * scale;
-            Tile<A> dPm(dPp.data() + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
-            dPm.noalias() = rows_of(dout, b, h, t0, nr) * rows_of(v, b, hk, c0, w).transpose();
-          }
-          if (pre.on)
-            for (index_t cs = c0; cs < c1; cs += kChunk) {
-              const int n = int(std::min<index_t>(kChunk, c1 - cs));
-              for (index_t i = 0; i < nr; ++i)
-                compose_chunk(pre, pre_rows[i], cs, n, Lp.data() + i * ld + cs, hs,
-                              Pp.data() + i * ld + cs, hs, scratch.data());
-            }
-          for (index_t i = 0; i < nr; ++i) {
-            const KeyRange r = mask.row(t0 + i);
-            const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
-            for (index_t m = 0; m < M; ++m) {
-              A* row = Pp.data() + m * hs + i * ld;
-              if (ve > vb) {
-                Segment<A> p(row + vb, ve - vb);
-                p = (p - lse(b, g * M + m, t0 + i)).exp();
-              }
-              for (index_t s = c0; s < std::min(vb, c1); ++s) row[s] = A(0);
-              for (index_t s = std::max(ve, c0); s < c1; ++s) row[s] = A(0);
-            }
-          }
-          for (index_t m = 0; m < M && w > 0 && !post.on; ++m) {
-            const index_t h = g * M + m, hk = h / group_of_kv;
-            mutable_rows_of(dv, b, hk, c0, w).noalias() +=
-                ConstTile<A>(Pp.data() + m * hs + c0, nr, w, Eigen::OuterStride<>(ld)).transpose() *
-                rows_of(dout, b, h, t0, nr);
-          }
-          if (post.on) {
-            for (index_t ts = c0; ts < c1; ts += kTile) {
-              const index_t tw = std::min(kTile, c1 - ts);
-              for (index_t cs = ts; cs < ts + tw; cs += kChunk) {
-                const int n = int(std::min<index_t>(kChunk, ts + tw - cs));
-                for (index_t i = 0; i < nr; ++i)
-                  compose_chunk(post, post_rows[i], cs, n, Pp.data() + i * ld + cs, hs,
-                                ptile.data() + i * kTile + (cs - ts), Bq * kTile, scratch.data());
-              }
-              for (index_t m = 0; m < M; ++m) {
-                const index_t h = g * M + m, hk = h / group_of_kv;
-                mutable_rows_of(dv, b, hk, ts, tw).noalias() +=
-                    ConstTile<A>(ptile.data() + m * Bq * kTile, nr, tw, Eigen::OuterStride<>(kTile)).transpose() *
-                    rows_of(dout, b, h, t0, nr);
-              }
-            }
-            for (index_t cs = c0; cs < c1; cs += kChunk) {
-              const int n = int(std::min<index_t>(kChunk, c1 - cs));
-              for (index_t i = 0; i < nr; ++i) {
-                A* gp = dPp.data() + i * ld + cs;
-                compose_chunk_backward(post, post_rows[i], cs, n, Pp.data() + i * ld + cs, hs, gp,
-                                       hs, gp, hs, my_post_rg[i], post_kg, my_dw_post,
-                                       scratch.data());
-              }
-            }
-          }
-          for (index_t m = 0; m < M; ++m)
-            for (index_t i = 0; i < nr; ++i) {
-              A s = 0;
-              if (w > 0)
-                s = (Segment<A>(Pp.data() + m * hs + i * ld + c0, w) *
-                     Segment<A>(dPp.data() + m * hs + i * ld + c0, w)).sum();
-              my_d[m * Bq + i] = s;
-            }
-          barrier();
-
-          // 2. dL' = P (dP - D), dL = Compose_pre^T(dL'), dK += dL^T Q, this thread's part of dQ.
-          for (index_t m = 0; m < M && w > 0; ++m)
-            for (index_t i = 0; i < nr; ++i) {
-              A Dm = 0;
-              for (int j = 0; j < nth; ++j) Dm += d_part[(j * M + m) * Bq + i];
-              Segment<A> dp(dPp.data() + m * hs + i * ld + c0, w);
-              dp = Segment<A>(Pp.data() + m * hs + i * ld + c0, w) * (dp - Dm);
-            }
-          if (pre.on)
-            for (index_t cs = c0; cs < c1; cs += kChunk) {
-              const int n = int(std::min<index_t>(kChunk, c1 - cs));
-              for (index_t i = 0; i < nr; ++i) {
-                A* gp = dPp.data() + i * ld + cs;
-                compose_chunk_backward(pre, pre_rows[i], cs, n, Lp.data() + i * ld + cs, hs, gp, hs,
-                                       gp, hs, my_pre_rg[i], pre_kg, my_dw_pre,
-                                       scratch.data());
-              }
-            }
-          for (index_t m = 0; m < M; ++m) {
-            const index_t h = g * M + m, hk = h / group_of_kv;
-            Tile<A> dQ(dq_part.data() + (tid * M + m) * Bq * D, nr, D, Eigen::OuterStride<>(D));
-            if (w == 0) {
-              dQ.setZero();
-              continue;
-            }
-            ConstTile<A> dL(dPp.data() + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
-            mutable_rows_of(dk, b, hk, c0, w).noalias() += (dL.transpose() * rows_of(q, b, h, t0, nr)) * scale;
-            dQ.noalias() = (dL * rows_of(k, b, hk, c0, w)) * scale;
-          }
-          barrier();
-
-          // 3. Sum dQ and the query-wise gradients over the team, a share of the rows each.
-          index_t r0, r1;
-          split_range(0, nr, tid, nth, 1, r0, r1);
-          for (index_t m = 0; m < M; ++m) {
-            const index_t h = g * M + m;
-            for (index_t i = r0; i < r1; ++i) {
-              T* o = dq.data + b * dq.stride[0] + h * dq.stride[1] + (t0 + i) * dq.stride[2];
-              const A* p0 = dq_part.data() + (0 * M + m) * Bq * D + i * D;
-              for (index_t e = 0; e < D; ++e) o[e] = p0[e];
-              for (int j = 1; j < nth; ++j) {
-                const A* pj = dq_part.data() + (j * M + m) * Bq * D + i * D;
-                for (index_t e = 0; e < D; ++e) o[e] += pj[e];
-              }
-            }
-          }
-          for (index_t i = r0; i < r1; ++i) {
-            const index_t set = (t0 / Bq) % 2 * nt * Bq;
-            store_row_grads(pre, pre_rg.data() + set, Bq, nth, i, dcw.pre, b, t0 + i, g);
-            store_row_grads(post, post_rg.data() + set, Bq, nth, i, dcw.post, b, t0 + i, g);
-          }
-        }
-        if (pre.has_k || post.has_k) {
-          barrier();  // every block of this group has added its key-wise gradients
-          store_key_grads(pre, pre_kg, dcw.pre, b, g, s0, s1);
-          store_key_grads(post, post_kg, dcw.post, b, g, s0, s1);
-          for (auto* kg : {&pre_kg, &post_kg})
-            for (auto* vec : {&kg->kw1, &kg->kw2, &kg->kdd})
-              for (index_t r = 0; r < index_t(vec->size()) / ld; ++r)
-                std::fill(vec->data() + r * ld + s0, vec->data() + r * ld + s1, A(0));
-        }
-        barrier();  // the next group reloads the compose sides
+        for (index_t g = g0; g < g0 + groups_per_item; ++g)
+          backward_group(Team{0, 1}, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk, dv, cw,
+                         dcw, dw_slot(dw_pre, b, 0, g), dw_slot(dw_post, b, 0, g));
       }
+    }
+  } else {
+    BackwardWorkspace<A> ws;
+    ws.init(d, cw, nt);
+#pragma omp parallel num_threads(nt)
+    {
+      const Team team{thread_id(), team_size()};
+      zero_rows(dk, team.rank, team.size);
+      zero_rows(dv, team.rank, team.size);
+      team.sync();
+      for (index_t b = 0; b < d.B; ++b)
+        for (index_t g = 0; g < G; ++g)
+          backward_group(team, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk, dv, cw, dcw,
+                         dw_slot(dw_pre, b, team.rank, g), dw_slot(dw_post, b, team.rank, g));
     }
   }
 
-  // Static weights: per-thread sums, added in thread order.
   for (int side = 0; side < 2; ++side) {
-    const std::vector<A>& parts = side ? dw_post : dw_pre;
+    std::vector<A>& parts = side ? dw_post : dw_pre;
     const TensorView<T, 3>& out = side ? dcw.post.w : dcw.pre.w;
     if (parts.empty()) continue;
-    for (index_t g = 0; g < d.G; ++g)
+    for (index_t g = 0; g < G; ++g)
       for (index_t m = 0; m < M; ++m)
         for (index_t n = 0; n < M; ++n) {
           A s = 0;
-          for (int j = 0; j < nt; ++j) s += parts[(j * d.G + g) * M * M + m * M + n];
+          for (index_t b = 0; b < d.B; ++b)
+            for (int j = 0; j < team_size_; ++j) s += dw_slot(parts, b, j, g)[m * M + n];
           out(g, m, n) = T(s);
         }
   }

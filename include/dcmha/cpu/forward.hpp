@@ -43,6 +43,173 @@ inline A default_scale(double scale, index_t D) {
   return scale > 0 ? A(scale) : A(1) / std::sqrt(A(D));
 }
 
+/// Buffers one team shares while it works on one (batch, group).
+template <class A>
+struct ForwardWorkspace {
+  index_t Bq = 0, ld = 0, hs = 0;
+  ComposeSide<A> pre, post;
+  std::vector<A> panel;             // [m][row][key]
+  std::vector<A> row_max, row_sum;  // [rank][m][row]
+  std::vector<A> o_part;            // [rank][m][row][Dv]
+
+  template <class T>
+  void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw, int team_size) {
+    ld = round_up(d.S, 16);
+    Bq = query_block_rows<A>(d.M, ld, d.T);
+    hs = Bq * ld;
+    pre.init(cw.pre, d.M, ld);
+    post.init(cw.post, d.M, ld);
+    panel.assign(d.M * hs, A(0));
+    row_max.assign(team_size * d.M * Bq, A(0));
+    row_sum.assign(team_size * d.M * Bq, A(0));
+    o_part.assign(team_size * d.M * Bq * d.Dv, A(0));
+  }
+};
+
+/// One (batch, group): every query block of it, the keys shared across the team.
+template <class T, class A>
+void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mask, A scale,
+                   const detail::AttentionDims& d, index_t b, index_t g, TensorView<const T, 4> q,
+                   TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,
+                   TensorView<A, 3> lse, const ComposeWeights<T>& cw) {
+  const int tid = team.rank, nth = team.size;
+  const index_t M = d.M, Dv = d.Dv, group_of_kv = d.H / d.Hk;
+  const index_t Bq = ws.Bq, ld = ws.ld, hs = ws.hs;
+  ComposeSide<A>& pre = ws.pre;
+  ComposeSide<A>& post = ws.post;
+  A* panel = ws.panel.data();
+  constexpr A kNegInf = -std::numeric_limits<A>::infinity();
+
+  std::vector<ComposeRow<A>> pre_rows(Bq), post_rows(Bq);
+  for (auto& r : pre_rows) r.init(pre);
+  for (auto& r : post_rows) r.init(post);
+  std::vector<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
+  A* my_max = ws.row_max.data() + tid * M * Bq;
+  A* my_sum = ws.row_sum.data() + tid * M * Bq;
+
+  if (pre.on || post.on) {
+    index_t s0, s1;
+    split_range(0, d.S, tid, nth, 1, s0, s1);
+    if (pre.on) pre.load(cw.pre, b, g, s0, s1);
+    if (post.on) post.load(cw.post, b, g, s0, s1);
+    team.sync();
+  }
+  for (index_t t0 = 0; t0 < d.T; t0 += Bq) {
+    const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
+    const KeyRange keys = mask.rows(t0, t1);
+    index_t c0, c1;
+    split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
+    const index_t w = c1 - c0;
+    for (index_t i = 0; i < nr; ++i) {
+      pre_rows[i].load(pre, cw.pre, b, t0 + i, g);
+      post_rows[i].load(post, cw.post, b, t0 + i, g);
+    }
+
+    // A: scores, Compose_pre, this thread's share of each row's maximum.
+    for (index_t m = 0; m < M && w > 0; ++m) {
+      const index_t h = g * M + m;
+      Tile<A> L(panel + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
+      L.noalias() = (rows_of(q, b, h, t0, nr) * rows_of(k, b, h / group_of_kv, c0, w).transpose()) * scale;
+    }
+    if (pre.on)
+      for (index_t cs = c0; cs < c1; cs += kChunk) {
+        const int n = int(std::min<index_t>(kChunk, c1 - cs));
+        for (index_t i = 0; i < nr; ++i) {
+          A* p = panel + i * ld + cs;
+          compose_chunk(pre, pre_rows[i], cs, n, p, hs, p, hs, scratch.data());
+        }
+      }
+    for (index_t i = 0; i < nr; ++i) {
+      const KeyRange r = mask.row(t0 + i);
+      const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
+      for (index_t m = 0; m < M; ++m)
+        my_max[m * Bq + i] = ve > vb ? Segment<A>(panel + m * hs + i * ld + vb, ve - vb).maxCoeff() : kNegInf;
+    }
+    team.sync();
+
+    // B: exponentials against the row maximum; masked keys become exactly 0.
+    for (index_t i = 0; i < nr; ++i) {
+      const KeyRange r = mask.row(t0 + i);
+      const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
+      for (index_t m = 0; m < M; ++m) {
+        A mx = kNegInf;
+        for (int j = 0; j < nth; ++j) mx = std::max(mx, ws.row_max[(j * M + m) * Bq + i]);
+        A* row = panel + m * hs + i * ld;
+        A sum = 0;
+        if (ve > vb) {
+          Segment<A> e(row + vb, ve - vb);
+          e = (e - mx).exp();
+          sum = e.sum();
+        }
+        for (index_t s = c0; s < std::min(vb, c1); ++s) row[s] = A(0);
+        for (index_t s = std::max(ve, c0); s < c1; ++s) row[s] = A(0);
+        my_sum[m * Bq + i] = sum;
+      }
+    }
+    team.sync();
+
+    // C: normalize, Compose_post, this thread's share of P' V.
+    for (index_t i = 0; i < nr; ++i) {
+      const KeyRange r = mask.row(t0 + i);
+      const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
+      for (index_t m = 0; m < M; ++m) {
+        A l = 0, mx = kNegInf;
+        for (int j = 0; j < nth; ++j) {
+          l += ws.row_sum[(j * M + m) * Bq + i];
+          mx = std::max(mx, ws.row_max[(j * M + m) * Bq + i]);
+        }
+        if (ve > vb) Segment<A>(panel + m * hs + i * ld + vb, ve - vb) *= (l > 0 ? A(1) / l : A(0));
+        if (tid == 0 && !lse.empty()) lse(b, g * M + m, t0 + i) = l > 0 ? mx + std::log(l) : kNegInf;
+      }
+    }
+    if (post.on)
+      for (index_t cs = c0; cs < c1; cs += kChunk) {
+        const int n = int(std::min<index_t>(kChunk, c1 - cs));
+        for (index_t i = 0; i < nr; ++i) {
+          A* p = panel + i * ld + cs;
+          compose_chunk(post, post_rows[i], cs, n, p, hs, p, hs, scratch.data());
+        }
+      }
+    for (index_t m = 0; m < M; ++m) {
+      const index_t h = g * M + m;
+      if (nth == 1) {
+        // Alone on the group: write straight to the caller's output.
+        auto O = mutable_rows_of(out, b, h, t0, nr);
+        if (w > 0)
+          O.noalias() = ConstTile<A>(panel + m * hs + c0, nr, w, Eigen::OuterStride<>(ld)) *
+                        rows_of(v, b, h / group_of_kv, c0, w);
+        else
+          O.setZero();
+        continue;
+      }
+      Tile<A> O(ws.o_part.data() + (tid * M + m) * Bq * Dv, nr, Dv, Eigen::OuterStride<>(Dv));
+      if (w > 0)
+        O.noalias() = ConstTile<A>(panel + m * hs + c0, nr, w, Eigen::OuterStride<>(ld)) *
+                      rows_of(v, b, h / group_of_kv, c0, w);
+      else
+        O.setZero();
+    }
+    if (nth == 1) continue;
+    team.sync();
+
+    // D: sum the partial outputs in thread order; each thread writes a share of the rows.
+    index_t r0, r1;
+    split_range(0, nr, tid, nth, 1, r0, r1);
+    for (index_t m = 0; m < M; ++m) {
+      const index_t h = g * M + m;
+      for (index_t i = r0; i < r1; ++i) {
+        T* o = out.data + b * out.stride[0] + h * out.stride[1] + (t0 + i) * out.stride[2];
+        const A* p0 = ws.o_part.data() + (0 * M + m) * Bq * Dv + i * Dv;
+        for (index_t e = 0; e < Dv; ++e) o[e] = p0[e];
+        for (int j = 1; j < nth; ++j) {
+          const A* pj = ws.o_part.data() + (j * M + m) * Bq * Dv + i * Dv;
+          for (index_t e = 0; e < Dv; ++e) o[e] += pj[e];
+        }
+      }
+    }
+  }
+}
+
 template <class T>
 void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorView<const T, 4> q,
              TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,
@@ -52,147 +219,26 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   const int nt = thread_count(cfg.num_threads);
   const RowMask mask(cfg, d.T, d.S);
   const A scale = default_scale<A>(cfg.scale, d.D);
-  const index_t M = d.M, Dv = d.Dv, group_of_kv = d.H / d.Hk;
-  const index_t ld = round_up(d.S, 16);
-  const index_t Bq = query_block_rows<A>(M, ld, d.T);
-  const index_t hs = Bq * ld;  // panel head stride
+  const index_t items = d.B * d.G;
 
-  ComposeSide<A> pre, post;
-  pre.init(cw.pre, M, ld);
-  post.init(cw.post, M, ld);
-  const bool composed = pre.on || post.on;
-
-  std::vector<A> panel(M * hs);
-  std::vector<A> row_max(nt * M * Bq), row_sum(nt * M * Bq);
-  std::vector<A> o_part(nt * M * Bq * Dv);
-
+  if (independent_items(items, nt)) {
+#pragma omp parallel num_threads(nt)
+    {
+      ForwardWorkspace<A> ws;
+      ws.init(d, cw, 1);
+#pragma omp for schedule(dynamic, 1)
+      for (index_t it = 0; it < items; ++it)
+        forward_group(Team{0, 1}, ws, mask, scale, d, it / d.G, it % d.G, q, k, v, out, lse, cw);
+    }
+    return;
+  }
+  ForwardWorkspace<A> ws;
+  ws.init(d, cw, nt);
 #pragma omp parallel num_threads(nt)
   {
-    const int tid = thread_id(), nth = team_size();
-    std::vector<ComposeRow<A>> pre_rows(Bq), post_rows(Bq);
-    for (auto& r : pre_rows) r.init(pre);
-    for (auto& r : post_rows) r.init(post);
-    std::vector<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
-    A* my_max = row_max.data() + tid * M * Bq;
-    A* my_sum = row_sum.data() + tid * M * Bq;
-    constexpr A kNegInf = -std::numeric_limits<A>::infinity();
-
-    for (index_t b = 0; b < d.B; ++b) {
-      for (index_t g = 0; g < d.G; ++g) {
-        if (composed) {
-          index_t s0, s1;
-          split_range(0, d.S, tid, nth, 1, s0, s1);
-          if (pre.on) pre.load(cw.pre, b, g, s0, s1);
-          if (post.on) post.load(cw.post, b, g, s0, s1);
-          barrier();
-        }
-        for (index_t t0 = 0; t0 < d.T; t0 += Bq) {
-          const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
-          const KeyRange keys = mask.rows(t0, t1);
-          index_t c0, c1;
-          split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
-          const index_t w = c1 - c0;
-          for (index_t i = 0; i < nr; ++i) {
-            pre_rows[i].load(pre, cw.pre, b, t0 + i, g);
-            post_rows[i].load(post, cw.post, b, t0 + i, g);
-          }
-
-          // A: scores, Compose_pre, this thread's share of each row's maximum.
-          for (index_t m = 0; m < M && w > 0; ++m) {
-            const index_t h = g * M + m;
-            Tile<A> L(panel.data() + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
-            L.noalias() = (rows_of(q, b, h, t0, nr) * rows_of(k, b, h / group_of_kv, c0, w).transpose()) * scale;
-          }
-          if (pre.on)
-            for (index_t cs = c0; cs < c1; cs += kChunk) {
-              const int n = int(std::min<index_t>(kChunk, c1 - cs));
-              for (index_t i = 0; i < nr; ++i) {
-                A* p = panel.data() + i * ld + cs;
-                compose_chunk(pre, pre_rows[i], cs, n, p, hs, p, hs, scratch.data());
-              }
-            }
-          for (index_t i = 0; i < nr; ++i) {
-            const KeyRange r = mask.row(t0 + i);
-            const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
-            for (index_t m = 0; m < M; ++m)
-              my_max[m * Bq + i] =
-                  ve > vb ? Segment<A>(panel.data() + m * hs + i * ld + vb, ve - vb).maxCoeff() : kNegInf;
-          }
-          barrier();
-
-          // B: exponentials against the row maximum; masked keys become exactly 0.
-          for (index_t i = 0; i < nr; ++i) {
-            const KeyRange r = mask.row(t0 + i);
-            const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
-            for (index_t m = 0; m < M; ++m) {
-              A mx = kNegInf;
-              for (int j = 0; j < nth; ++j) mx = std::max(mx, row_max[(j * M + m) * Bq + i]);
-              A* row = panel.data() + m * hs + i * ld;
-              A sum = 0;
-              if (ve > vb) {
-                Segment<A> e(row + vb, ve - vb);
-                e = (e - mx).exp();
-                sum = e.sum();
-              }
-              for (index_t s = c0; s < std::min(vb, c1); ++s) row[s] = A(0);
-              for (index_t s = std::max(ve, c0); s < c1; ++s) row[s] = A(0);
-              my_sum[m * Bq + i] = sum;
-            }
-          }
-          barrier();
-
-          // C: normalize, Compose_post, this thread's share of P' V.
-          for (index_t i = 0; i < nr; ++i) {
-            const KeyRange r = mask.row(t0 + i);
-            const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
-            for (index_t m = 0; m < M; ++m) {
-              A l = 0, mx = kNegInf;
-              for (int j = 0; j < nth; ++j) {
-                l += row_sum[(j * M + m) * Bq + i];
-                mx = std::max(mx, row_max[(j * M + m) * Bq + i]);
-              }
-              if (ve > vb) Segment<A>(panel.data() + m * hs + i * ld + vb, ve - vb) *= (l > 0 ? A(1) / l : A(0));
-              if (tid == 0 && !lse.empty())
-                lse(b, g * M + m, t0 + i) = l > 0 ? mx + std::log(l) : kNegInf;
-            }
-          }
-          if (post.on)
-            for (index_t cs = c0; cs < c1; cs += kChunk) {
-              const int n = int(std::min<index_t>(kChunk, c1 - cs));
-              for (index_t i = 0; i < nr; ++i) {
-                A* p = panel.data() + i * ld + cs;
-                compose_chunk(post, post_rows[i], cs, n, p, hs, p, hs, scratch.data());
-              }
-            }
-          for (index_t m = 0; m < M; ++m) {
-            const index_t h = g * M + m;
-            Tile<A> O(o_part.data() + (tid * M + m) * Bq * Dv, nr, Dv, Eigen::OuterStride<>(Dv));
-            if (w > 0)
-              O.noalias() = ConstTile<A>(panel.data() + m * hs + c0, nr, w, Eigen::OuterStride<>(ld)) *
-                            rows_of(v, b, h / group_of_kv, c0, w);
-            else
-              O.setZero();
-          }
-          barrier();
-
-          // D: sum the partial outputs in thread order; each thread writes a share of the rows.
-          index_t r0, r1;
-          split_range(0, nr, tid, nth, 1, r0, r1);
-          for (index_t m = 0; m < M; ++m) {
-            const index_t h = g * M + m;
-            for (index_t i = r0; i < r1; ++i) {
-              T* o = out.data + b * out.stride[0] + h * out.stride[1] + (t0 + i) * out.stride[2];
-              const A* p0 = o_part.data() + (0 * M + m) * Bq * Dv + i * Dv;
-              for (index_t e = 0; e < Dv; ++e) o[e] = p0[e];
-              for (int j = 1; j < nth; ++j) {
-                const A* pj = o_part.data() + (j * M + m) * Bq * Dv + i * Dv;
-                for (index_t e = 0; e < Dv; ++e) o[e] += pj[e];
-              }
-            }
-          }
-        }
-      }
-    }
+    const Team team{thread_id(), team_size()};
+    for (index_t it = 0; it < items; ++it)
+      forward_group(team, ws, mask, scale, d, it / d.G, it % d.G, q, k, v, out, lse, cw);
   }
 }
 

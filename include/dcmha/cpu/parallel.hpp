@@ -56,3 +56,23 @@ inline void split_range(index_t begin, index_t end, int part, int parts, index_t
 }
 
 }  // namespace dcmha::cpu
+
+namespace dcmha::cpu {
+
+/// The threads that share the keys of one (batch, group). Either the whole OpenMP team (few
+/// groups: key-split with barriers) or a single thread (many groups: each thread takes whole
+/// groups and never waits on another; barriers under oversubscription cost milliseconds).
+struct Team {
+  int rank = 0, size = 1;
+  void sync() const {
+    if (size > 1) barrier();
+  }
+};
+
+/// Whether to give each thread whole (batch, group) items instead of splitting every item's keys
+/// across the team: when there are enough items to keep all threads busy with even shares.
+inline bool independent_items(index_t items, int threads) {
+  return threads == 1 || items % threads == 0 || items >= 4 * index_t(threads);
+}
+
+}  // namespace dcmha::cpu
