@@ -1,0 +1,324 @@
+// Benchmarks of the attention core: MHA against DCMHA on the same inputs.
+//
+// Names: <dir>/<op>/B<b>/H<h>/T<t>/D<d>/<mask>, dir in {fwd, bwd, fwdbwd}, op in {mha, dcmha},
+// mask in {causal, full}. Google Benchmark appends "/real_time" (and "_median" etc. for
+// aggregates) in its reports, so a --benchmark_filter should not anchor the mask with '$'.
+//
+// DCMHA runs the official DCFormer default: G = 1, pre and post compose, query-wise and key-wise
+// rank-2 terms plus their gates, no static W. The dynamic weights are random and made once
+// outside the timed loop: the dynamic weight projection is a separate, much cheaper GEMM and is
+// deliberately not part of these numbers.
+//
+// Extra flags (before the --benchmark_* ones are parsed):
+//   --dcmha_smoke           tiny shapes only, for a quick CTest run; exit status 1 if any
+//                           benchmark failed (Google Benchmark itself would still return 0)
+//   --dcmha_report_memory   add peak_rss_MiB and io_MiB to every benchmark, not only T16384
+//
+// peak_rss_MiB is the process's high-water mark (getrusage), so it only describes one case when
+// that case runs alone: scripts/bench.sh runs the T16384 case in a process of its own.
+#include <benchmark/benchmark.h>
+#include <dcmha/dcmha.hpp>
+
+#include <sys/resource.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+using dcmha::index_t;
+
+enum class Dir { fwd, bwd, fwdbwd };
+enum class Op { mha, dcmha };
+
+struct Case {
+  Dir dir;
+  Op op;
+  index_t B, H, T, D;
+  dcmha::Mask mask;
+  bool memory_counters;
+};
+
+const char* name_of(Dir d) { return d == Dir::fwd ? "fwd" : d == Dir::bwd ? "bwd" : "fwdbwd"; }
+const char* name_of(Op o) { return o == Op::mha ? "mha" : "dcmha"; }
+const char* name_of(dcmha::Mask m) { return m == dcmha::Mask::causal ? "causal" : "full"; }
+
+std::string name_of(const Case& c) {
+  return std::string(name_of(c.dir)) + "/" + name_of(c.op) + "/B" + std::to_string(c.B) + "/H" +
+         std::to_string(c.H) + "/T" + std::to_string(c.T) + "/D" + std::to_string(c.D) + "/" +
+         name_of(c.mask);
+}
+
+constexpr index_t kGroups = 1;  // official DCFormer default
+constexpr index_t kRank = 2;
+
+std::atomic<bool> g_any_failed{false};
+
+// splitmix64 + Box-Muller: std::normal_distribution over the T16384 buffers (~10^8 values)
+// would take longer than the benchmark itself, and the values only need to look like activations.
+void fill_normal(std::vector<float>& x, float stddev, std::uint64_t seed) {
+  std::uint64_t s = seed;
+  auto next = [&s] {
+    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  const double two_pi = 6.283185307179586;
+  for (std::size_t i = 0; i < x.size(); i += 2) {
+    const double u1 = (double(next() >> 11) + 1.0) * 0x1.0p-53;  // (0, 1]: log() stays finite
+    const double u2 = double(next() >> 11) * 0x1.0p-53;
+    const double r = std::sqrt(-2.0 * std::log(u1)) * stddev;
+    x[i] = float(r * std::cos(two_pi * u2));
+    if (i + 1 < x.size()) x[i + 1] = float(r * std::sin(two_pi * u2));
+  }
+}
+
+// The twelve dynamic compose tensors of one layer, w1/w2 (B, L, G, R, M) and dd (B, L, G, M),
+// in one allocation.
+struct DynamicWeightBuffers {
+  index_t B = 0, L = 0, G = 0, R = 0, M = 0;
+  std::vector<float> data;
+
+  DynamicWeightBuffers() = default;
+  DynamicWeightBuffers(index_t B_, index_t L_, index_t G_, index_t R_, index_t M_)
+      : B(B_), L(L_), G(G_), R(R_), M(M_),
+        data(static_cast<std::size_t>(2 * 2 * (2 * B * L * G * R * M + B * L * G * M))) {}
+
+  dcmha::DynamicWeights<float> views() {
+    float* p = data.data();
+    auto w = [&] {
+      auto v = dcmha::view<5>(p, {B, L, G, R, M});
+      p += v.numel();
+      return v;
+    };
+    auto dd = [&] {
+      auto v = dcmha::view<4>(p, {B, L, G, M});
+      p += v.numel();
+      return v;
+    };
+    dcmha::DynamicWeights<float> dw;
+    for (dcmha::DynamicWeightsSide<float>* s : {&dw.pre, &dw.post}) {
+      s->qw1 = w(); s->qw2 = w(); s->qdd = dd();
+      s->kw1 = w(); s->kw2 = w(); s->kdd = dd();
+    }
+    return dw;
+  }
+};
+
+// Every buffer of one problem, in the (B, T, H, D) layout of a real model. Gradients are only
+// allocated when a case needs them so that forward-only runs have the footprint of inference.
+struct Problem {
+  index_t B, H, T, D;
+  bool dcmha;
+  std::vector<float> q, k, v, o, dout, dq, dk, dv;
+  std::vector<dcmha::acc_t<float>> lse;
+  DynamicWeightBuffers dynw, dynw_grad;
+  dcmha::ComposeWeights<float> compose;
+  dcmha::ComposeGrads<float> dcompose;
+  bool have_forward = false;
+  dcmha::Mask forward_mask = dcmha::Mask::causal;
+
+  Problem(index_t B_, index_t H_, index_t T_, index_t D_, bool dc)
+      : B(B_), H(H_), T(T_), D(D_), dcmha(dc) {
+    const auto n = static_cast<std::size_t>(B * T * H * D);
+    q.resize(n); k.resize(n); v.resize(n); o.resize(n);
+    fill_normal(q, 1.0f, 1);
+    fill_normal(k, 1.0f, 2);
+    fill_normal(v, 1.0f, 3);
+    lse.resize(static_cast<std::size_t>(B * H * T));
+    if (dcmha) {
+      dynw = DynamicWeightBuffers(B, T, kGroups, kRank, H / kGroups);
+      fill_normal(dynw.data, 0.1f, 4);
+      compose = dcmha::compose_weights<float>(dynw.views());
+    }
+  }
+
+  void ensure_grads() {
+    if (!dout.empty()) return;
+    const auto n = q.size();
+    dout.resize(n); dq.resize(n); dk.resize(n); dv.resize(n);
+    fill_normal(dout, 1.0f, 5);
+    if (dcmha) {
+      dynw_grad = DynamicWeightBuffers(B, T, kGroups, kRank, H / kGroups);
+      dcompose = dcmha::compose_grads(dynw_grad.views());
+    }
+  }
+
+  auto act(std::vector<float>& x) { return dcmha::bthd(x.data(), B, T, H, D); }
+  auto lse_view() { return dcmha::view<3>(lse.data(), {B, H, T}); }
+
+  void forward(const dcmha::AttentionConfig& cfg) {
+    dcmha::forward(cfg, act(q), act(k), act(v), act(o), lse_view(), compose);
+    forward_mask = cfg.mask;
+    have_forward = true;
+  }
+  /// The problem is shared between cases, so the saved lse may come from the other mask.
+  void ensure_forward(const dcmha::AttentionConfig& cfg) {
+    if (!have_forward || forward_mask != cfg.mask) forward(cfg);
+  }
+  void backward(const dcmha::AttentionConfig& cfg) {
+    dcmha::backward(cfg, act(q), act(k), act(v), lse_view(), act(dout), act(dq), act(dk), act(dv),
+                    compose, dcompose);
+  }
+
+  double io_bytes() const {
+    const auto vecs = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &dynw.data, &dynw_grad.data};
+    double bytes = double(lse.size()) * sizeof(lse[0]);
+    for (const auto* x : vecs) bytes += double(x->size()) * sizeof(float);
+    return bytes;
+  }
+};
+
+// Google Benchmark calls a benchmark function once per repetition and per iteration-count probe;
+// rebuilding a T16384 problem each time would dominate the run, so the last one is kept. Only
+// one lives at a time, which keeps peak memory at the largest single case.
+Problem& problem_for(const Case& c) {
+  static std::unique_ptr<Problem> cached;
+  const bool dc = c.op == Op::dcmha;
+  if (!cached || cached->B != c.B || cached->H != c.H || cached->T != c.T || cached->D != c.D ||
+      cached->dcmha != dc) {
+    cached.reset();
+    cached = std::make_unique<Problem>(c.B, c.H, c.T, c.D, dc);
+  }
+  return *cached;
+}
+
+double peak_rss_mib() {
+  struct rusage ru;
+  std::memset(&ru, 0, sizeof ru);
+  getrusage(RUSAGE_SELF, &ru);
+  return double(ru.ru_maxrss) / 1024.0;  // Linux reports KiB
+}
+
+int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// Useful FLOPs only: QK^T and PV, 2 flops per multiply-add, so 4·B·H·T·S·D for a forward;
+// causal does half the (t, s) pairs. Compose work is not counted, so DCMHA's GFLOP/s being
+// lower than MHA's is exactly its overhead.
+double useful_flops(const Case& c) {
+  double f = 4.0 * double(c.B) * double(c.H) * double(c.T) * double(c.T) * double(c.D);
+  if (c.mask == dcmha::Mask::causal) f *= 0.5;
+  if (c.dir == Dir::bwd) f *= 2.5;
+  if (c.dir == Dir::fwdbwd) f *= 3.5;
+  return f;
+}
+
+void run_case(benchmark::State& state, const Case& c) {
+  dcmha::AttentionConfig cfg;
+  cfg.mask = c.mask;
+  Problem& p = problem_for(c);
+  if (c.dir != Dir::fwd) p.ensure_grads();
+
+  // Google Benchmark calls this once per repetition; only the first call of a case warms up
+  // (caches, page mapping, the OpenMP pool). Cases that take seconds per iteration skip it: one
+  // iteration already dwarfs those effects, and a second one would double the run.
+  static std::set<std::string> warmed;
+  const bool warm_up = useful_flops(c) < 1e11 && warmed.insert(name_of(c)).second;
+
+  // A kernel that throws becomes a reported error instead of std::terminate.
+  try {
+    if (c.dir == Dir::bwd) p.ensure_forward(cfg);  // backward reads this forward's lse
+    if (warm_up) {
+      if (c.dir != Dir::bwd) p.forward(cfg);
+      if (c.dir != Dir::fwd) p.backward(cfg);
+    }
+    for (auto _ : state) {
+      switch (c.dir) {
+        case Dir::fwd:
+          p.forward(cfg);
+          break;
+        case Dir::bwd:
+          p.backward(cfg);
+          break;
+        case Dir::fwdbwd:
+          p.forward(cfg);
+          p.backward(cfg);
+          break;
+      }
+      benchmark::ClobberMemory();
+    }
+  } catch (const std::exception& e) {
+    g_any_failed = true;
+    state.SkipWithError(e.what());
+    return;
+  }
+
+  // Raw FLOPs as a rate: the console then prints e.g. "FLOPS=85.3G/s", i.e. GFLOP/s.
+  state.counters["FLOPS"] =
+      benchmark::Counter(useful_flops(c), benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = max_threads();
+  if (c.memory_counters) {
+    state.counters["peak_rss_MiB"] = peak_rss_mib();
+    state.counters["io_MiB"] = p.io_bytes() / (1024.0 * 1024.0);
+  }
+}
+
+void register_case(const Case& c) {
+  benchmark::RegisterBenchmark(name_of(c).c_str(), [c](benchmark::State& s) { run_case(s, c); })
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+}
+
+struct ShapeSet {
+  index_t H, D;
+  std::vector<index_t> Ts;
+};
+
+// Shape-major order, so consecutive benchmarks share the cached problem.
+void register_all(bool smoke, bool memory_everywhere) {
+  const std::vector<ShapeSet> shapes =
+      smoke ? std::vector<ShapeSet>{{4, 16, {32, 64}}}
+            : std::vector<ShapeSet>{{32, 128, {512, 1024, 2048, 4096}},  // DCFormer-6.9B heads
+                                    {32, 80, {1024, 2048}},              // Pythia-2.8B heads
+                                    {16, 64, {512, 1024, 2048, 4096}}};  // small models
+  for (const ShapeSet& s : shapes)
+    for (index_t T : s.Ts)
+      for (dcmha::Mask mask : {dcmha::Mask::causal, dcmha::Mask::full})
+        for (Op op : {Op::mha, Op::dcmha})
+          for (Dir dir : {Dir::fwd, Dir::bwd, Dir::fwdbwd})
+            register_case({dir, op, 1, s.H, T, s.D, mask, memory_everywhere});
+
+  // Long context: what matters is that memory stays O(B·H·T), with no T×S buffer anywhere.
+  if (!smoke)
+    for (Op op : {Op::mha, Op::dcmha})
+      register_case({Dir::fwdbwd, op, 1, 16, 16384, 64, dcmha::Mask::causal, true});
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool smoke = false, memory_everywhere = false;
+  int kept = 1;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--dcmha_smoke") == 0) smoke = true;
+    else if (std::strcmp(argv[i], "--dcmha_report_memory") == 0) memory_everywhere = true;
+    else argv[kept++] = argv[i];
+  }
+  argc = kept;
+
+  register_all(smoke, memory_everywhere);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return g_any_failed ? 1 : 0;
+}
