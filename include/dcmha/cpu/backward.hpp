@@ -88,9 +88,9 @@ struct BackwardWorkspace {
   index_t Bq = 0, ld = 0, hs = 0;
   ComposeSide<A> pre, post;
   ComposeKeyGrads<A> pre_kg, post_kg;
-  std::vector<A> Lp, Pp, dPp;  // [m][row][key]
-  std::vector<A> d_part;       // [rank][m][row]
-  std::vector<A> dq_part;      // [rank][m][row][D]
+  Buffer<A> Lp, Pp, dPp;  // [m][row][key]
+  Buffer<A> d_part;       // [rank][m][row]
+  Buffer<A> dq_part;      // [rank][m][row][D]
   // Two sets, alternating by block: a thread may start the next block while others still sum
   // this block's query-wise gradients.
   std::vector<ComposeRowGrads<A>> pre_rg, post_rg;  // [set][rank][row]
@@ -141,8 +141,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   std::vector<ComposeRow<A>> pre_rows(Bq), post_rows(Bq);
   for (auto& r : pre_rows) r.init(pre);
   for (auto& r : post_rows) r.init(post);
-  std::vector<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
-  std::vector<A> ptile(post.on ? M * Bq * kTile : 0);
+  Buffer<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
+  Buffer<A> ptile(post.on ? M * Bq * kTile : 0);
   A* my_d = ws.d_part.data() + tid * M * Bq;
 
   index_t s0, s1;
@@ -326,9 +326,9 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
   // Static weights' gradients: one M x M accumulator per (batch, team rank, group), summed in a
   // fixed order at the end, so the result does not depend on which thread ran which item.
   const bool w_pre = cw.pre.static_w, w_post = cw.post.static_w;
-  std::vector<A> dw_pre(w_pre ? d.B * team_size_ * G * M * M : 0, A(0));
-  std::vector<A> dw_post(w_post ? d.B * team_size_ * G * M * M : 0, A(0));
-  auto dw_slot = [&](std::vector<A>& buf, index_t b, int rank, index_t g) -> A* {
+  Buffer<A> dw_pre(w_pre ? d.B * team_size_ * G * M * M : 0, A(0));
+  Buffer<A> dw_post(w_post ? d.B * team_size_ * G * M * M : 0, A(0));
+  auto dw_slot = [&](Buffer<A>& buf, index_t b, int rank, index_t g) -> A* {
     return buf.empty() ? nullptr : buf.data() + ((b * team_size_ + rank) * G + g) * M * M;
   };
 
@@ -368,7 +368,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
   }
 
   for (int side = 0; side < 2; ++side) {
-    std::vector<A>& parts = side ? dw_post : dw_pre;
+    Buffer<A>& parts = side ? dw_post : dw_pre;
     const TensorView<T, 3>& out = side ? dcw.post.w : dcw.pre.w;
     if (parts.empty()) continue;
     for (index_t g = 0; g < G; ++g)

@@ -11,6 +11,7 @@
 
 #include "../compose_weights.hpp"
 #include "../tensor.hpp"
+#include "tile.hpp"
 
 namespace dcmha::cpu {
 
@@ -23,9 +24,9 @@ template <class A>
 struct ComposeSide {
   bool on = false, has_w = false, has_q = false, has_k = false;
   index_t M = 0, Rq = 0, Rk = 0, ld = 0;
-  std::vector<A> w;         // [m][n]
-  std::vector<A> kw1, kw2;  // [r][m][ld]
-  std::vector<A> kdd;       // [m][ld]
+  Buffer<A> w;         // [m][n]
+  Buffer<A> kw1, kw2;  // [r][m][ld]
+  Buffer<A> kdd;       // [m][ld]
 
   template <class T>
   void init(const ComposeTerms<T>& c, index_t M_, index_t S) {
@@ -69,8 +70,8 @@ struct ComposeSide {
 /// The query-wise terms of one row t.
 template <class A>
 struct ComposeRow {
-  std::vector<A> qw1, qw2;  // [r][m]
-  std::vector<A> qdd;       // [m]
+  Buffer<A> qw1, qw2;  // [r][m]
+  Buffer<A> qdd;       // [m]
 
   void init(const ComposeSide<A>& side) {
     qw1.assign(side.Rq * side.M, A(0));
@@ -161,7 +162,7 @@ inline void compose_chunk(const ComposeSide<A>& c, const ComposeRow<A>& q, index
 /// Gradient accumulators of one side's query-wise terms for one row.
 template <class A>
 struct ComposeRowGrads {
-  std::vector<A> qw1, qw2, qdd;  // [r][m], [r][m], [m]
+  Buffer<A> qw1, qw2, qdd;  // [r][m], [r][m], [m]
   void init(const ComposeSide<A>& c) {
     qw1.assign(c.Rq * c.M, A(0));
     qw2.assign(c.Rq * c.M, A(0));
@@ -178,7 +179,7 @@ struct ComposeRowGrads {
 /// ([r][m][s]); each key is owned by one thread, so they are shared without races.
 template <class A>
 struct ComposeKeyGrads {
-  std::vector<A> kw1, kw2, kdd;
+  Buffer<A> kw1, kw2, kdd;
   void init(const ComposeSide<A>& c) {
     kw1.assign(c.Rk * c.M * c.ld, A(0));
     kw2.assign(c.Rk * c.M * c.ld, A(0));

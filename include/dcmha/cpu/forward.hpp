@@ -48,9 +48,9 @@ template <class A>
 struct ForwardWorkspace {
   index_t Bq = 0, ld = 0, hs = 0;
   ComposeSide<A> pre, post;
-  std::vector<A> panel;             // [m][row][key]
-  std::vector<A> row_max, row_sum;  // [rank][m][row]
-  std::vector<A> o_part;            // [rank][m][row][Dv]
+  Buffer<A> panel;             // [m][row][key]
+  Buffer<A> row_max, row_sum;  // [rank][m][row]
+  Buffer<A> o_part;            // [rank][m][row][Dv]
 
   template <class T>
   void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw, int team_size) {
@@ -83,7 +83,7 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
   std::vector<ComposeRow<A>> pre_rows(Bq), post_rows(Bq);
   for (auto& r : pre_rows) r.init(pre);
   for (auto& r : post_rows) r.init(post);
-  std::vector<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
+  Buffer<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
   A* my_max = ws.row_max.data() + tid * M * Bq;
   A* my_sum = ws.row_sum.data() + tid * M * Bq;
 

@@ -1,6 +1,7 @@
 #pragma once
 // Eigen maps over caller tensors and kernel panels: tile GEMMs read the caller's memory in place.
 #include <Eigen/Core>
+#include <vector>
 
 #include "../tensor.hpp"
 
@@ -31,6 +32,12 @@ inline Tile<S> mutable_rows_of(const TensorView<S, 4>& x, index_t b, index_t h, 
   return Tile<S>(x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2], rows, x.shape[3],
                  Eigen::OuterStride<>(x.stride[2]));
 }
+
+/// Kernel workspace. Eigen's vectorized reductions (sum, maxCoeff) start their packets at the
+/// first aligned element, so their summation order depends on the address: buffers with a fixed
+/// alignment keep results bitwise reproducible from call to call.
+template <class S>
+using Buffer = std::vector<S, Eigen::aligned_allocator<S>>;
 
 inline index_t round_up(index_t x, index_t m) { return (x + m - 1) / m * m; }
 

@@ -1,0 +1,230 @@
+// The production forward/backward (include/dcmha/cpu) against the test reference, on random
+// problems over every switch and shape parameter, and on the edges of the kernels' tiling.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <dcmha/dcmha.hpp>
+
+#include "reference/reference.hpp"
+#include "support/problem.hpp"
+
+namespace {
+
+using dcmha::test::Layout;
+using dcmha::test::ProblemSpec;
+using dcmha::test::SideSpec;
+using dcmha::test::TypedProblem;
+
+template <class T>
+constexpr double tolerance() {
+  return std::is_same_v<T, double> ? 1e-9 : 2e-4;
+}
+
+/// Runs forward and backward of the production path and compares every output and gradient
+/// with the reference.
+template <class T>
+void check_against_reference(const ProblemSpec& spec, uint64_t seed, int threads,
+                             Layout layout = Layout::bhtd) {
+  SCOPED_TRACE(spec.str() + " threads=" + std::to_string(threads) +
+               (layout == Layout::bthd ? " bthd" : " bhtd") + " seed=" + std::to_string(seed));
+  const dcmha::reference::Problem p = dcmha::test::random_problem(spec, seed);
+  const std::vector<double> dout = dcmha::test::random_dout(p, seed);
+  const std::vector<double> expected_out = dcmha::reference::forward(p);
+  const dcmha::reference::Gradients expected = dcmha::reference::backward(p, dout);
+
+  TypedProblem<T> tp(p, layout);
+  tp.num_threads = threads;
+  tp.set_dout(dout);
+  dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
+  EXPECT_LE(dcmha::test::max_rel_error(expected_out, tp.out_values()), tolerance<T>()) << "out";
+  dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
+                  tp.dv(), tp.compose(), tp.dcompose());
+  for (const auto& e : dcmha::test::gradient_errors(expected, tp.gradients()))
+    EXPECT_LE(e.rel, tolerance<T>()) << e.name;
+}
+
+SideSpec side_from_bits(unsigned bits) { return {bool(bits & 1), bool(bits & 2), bool(bits & 4)}; }
+
+/// Random shapes and switches, small enough for the reference. Sizes are drawn around the
+/// kernels' internal boundaries (16-key thread split, 32-key compose chunk, 64-key dV tile).
+ProblemSpec random_spec(dcmha::test::Rng& rng) {
+  auto pick = [&](std::initializer_list<int64_t> xs) {
+    return *(xs.begin() + int64_t(rng.uniform() * xs.size()));
+  };
+  ProblemSpec s;
+  s.B = pick({1, 2});
+  s.H = pick({1, 2, 4, 6, 8});
+  std::vector<int64_t> divisors;
+  for (int64_t x = 1; x <= s.H; ++x)
+    if (s.H % x == 0) divisors.push_back(x);
+  auto pick_div = [&] { return divisors[size_t(rng.uniform() * divisors.size())]; };
+  s.Hk = pick_div();
+  s.G = pick_div();
+  s.T = pick({1, 2, 7, 16, 17, 31, 33, 40});
+  s.S = rng.uniform() < 0.4 ? s.T : pick({1, 3, 15, 16, 17, 32, 33, 63, 65});
+  s.D = pick({1, 4, 8, 12});
+  s.Dv = rng.uniform() < 0.5 ? s.D : pick({2, 5, 8});
+  s.Rq = pick({1, 2, 3});
+  s.Rk = pick({1, 2, 3});
+  s.causal = rng.uniform() < 0.6;
+  s.window = rng.uniform() < 0.25 ? pick({1, 3, 8, 20}) : 0;
+  s.pre = side_from_bits(unsigned(rng.uniform() * 8));
+  s.post = side_from_bits(unsigned(rng.uniform() * 8));
+  return s;
+}
+
+template <class T>
+class AttentionVsReference : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(AttentionVsReference, Scalars);
+
+TYPED_TEST(AttentionVsReference, RandomProblems) {
+  dcmha::test::Rng rng(2024);
+  for (int i = 0; i < 120; ++i) {
+    const ProblemSpec s = random_spec(rng);
+    const int threads = 1 + i % 3;
+    check_against_reference<TypeParam>(s, 1000 + i, threads, i % 2 ? Layout::bthd : Layout::bhtd);
+  }
+}
+
+TYPED_TEST(AttentionVsReference, OfficialDcformerConfiguration) {
+  // G = 1, pre and post with query- and key-wise terms, R = 2, no static W: the official default.
+  for (bool causal : {true, false}) {
+    ProblemSpec s;
+    s.B = 1; s.H = 8; s.Hk = 8; s.T = 70; s.S = 70; s.D = 16; s.Dv = 16; s.G = 1;
+    s.causal = causal;
+    s.pre = s.post = SideSpec::dynamic();
+    for (int threads : {1, 2})
+      check_against_reference<TypeParam>(s, 7, threads, Layout::bthd);
+  }
+}
+
+TYPED_TEST(AttentionVsReference, QueryBlockEdges) {
+  // Query blocks hold up to 64 rows: one block, one row more, one row less, two blocks exactly.
+  for (int64_t T : {63, 64, 65, 128, 129}) {
+    ProblemSpec s;
+    s.B = 1; s.H = 2; s.Hk = 1; s.T = T; s.S = T; s.D = 4; s.Dv = 4; s.G = 1; s.Rq = 1; s.Rk = 2;
+    s.causal = true;
+    for (int threads : {1, 2}) check_against_reference<TypeParam>(s, T, threads);
+  }
+}
+
+TYPED_TEST(AttentionVsReference, KeyTileEdges) {
+  // Thread shares are multiples of 16 keys, compose chunks 32, backward dV tiles 64.
+  for (int64_t S : {1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97}) {
+    ProblemSpec s;
+    s.B = 1; s.H = 4; s.Hk = 2; s.T = 3; s.S = S; s.D = 4; s.Dv = 6; s.G = 2;
+    for (bool causal : {false, true}) {
+      s.causal = causal;
+      for (int threads : {1, 2, 3}) check_against_reference<TypeParam>(s, S, threads);
+    }
+  }
+}
+
+TYPED_TEST(AttentionVsReference, SingleQueryAndSingleKey) {
+  for (auto [T, S] : {std::pair<int64_t, int64_t>{1, 1}, {1, 40}, {40, 1}}) {
+    for (bool causal : {false, true}) {
+      ProblemSpec s;
+      s.T = T; s.S = S; s.causal = causal;
+      for (int threads : {1, 2}) check_against_reference<TypeParam>(s, 3, threads);
+    }
+  }
+}
+
+TYPED_TEST(AttentionVsReference, RowsThatSeeNoKeyGiveZeros) {
+  // Causal with T > S: the first T - S query rows see no key.
+  ProblemSpec s;
+  s.B = 2; s.H = 4; s.T = 20; s.S = 6; s.causal = true;
+  for (int threads : {1, 2}) check_against_reference<TypeParam>(s, 11, threads);
+
+  const auto p = dcmha::test::random_problem(s, 11);
+  TypedProblem<TypeParam> tp(p);
+  tp.set_dout(dcmha::test::random_dout(p, 11));
+  dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
+  dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
+                  tp.dv(), tp.compose(), tp.dcompose());
+  const auto out = tp.out_values();
+  const auto g = tp.gradients();
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.H; ++h)
+      for (int64_t t = 0; t < s.T - s.S; ++t)
+        for (int64_t e = 0; e < s.D; ++e) {
+          const size_t i = size_t(((b * s.H + h) * s.T + t) * s.D + e);
+          EXPECT_EQ(out[i], 0.0);
+          EXPECT_EQ(g.dq[i], 0.0);
+        }
+}
+
+TYPED_TEST(AttentionVsReference, WindowedAttention) {
+  for (int64_t W : {1, 5, 16, 17, 64}) {
+    ProblemSpec s;
+    s.B = 1; s.H = 4; s.Hk = 4; s.T = 80; s.S = 80; s.D = 8; s.Dv = 8; s.G = 1;
+    s.causal = true;
+    s.window = W;
+    s.pre = s.post = SideSpec::dynamic();
+    for (int threads : {1, 2}) check_against_reference<TypeParam>(s, W, threads);
+  }
+}
+
+/// Same inputs, same thread count: bitwise the same outputs and gradients.
+TYPED_TEST(AttentionVsReference, DeterministicForAFixedThreadCount) {
+  for (int64_t B : {1, 2}) {  // B = 1: one key-split team; B = 2: whole items per thread
+    ProblemSpec s;
+    s.B = B; s.H = 4; s.T = 50; s.S = 50; s.causal = true;
+    const auto p = dcmha::test::random_problem(s, 5);
+    std::vector<double> first;
+    for (int run = 0; run < 3; ++run) {
+      TypedProblem<TypeParam> tp(p);
+      tp.num_threads = 2;
+      tp.set_dout(dcmha::test::random_dout(p, 5));
+      dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
+      dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
+                      tp.dv(), tp.compose(), tp.dcompose());
+      std::vector<double> all = tp.out_values();
+      const dcmha::reference::Gradients g = tp.gradients();
+      for (auto& [name, vec] : dcmha::test::named_gradients(g))
+        all.insert(all.end(), vec->begin(), vec->end());
+      if (run == 0) first = all;
+      else
+        for (size_t i = 0; i < all.size(); ++i)
+          ASSERT_EQ(std::memcmp(&first[i], &all[i], sizeof(double)), 0) << "B=" << B << " element " << i << " of " << all.size();
+    }
+  }
+}
+
+TEST(AttentionApi, MhaIsDcmhaWithComposeOff) {
+  // The drop-in contract: the same call without compose weights is plain softmax attention.
+  ProblemSpec s;
+  s.B = 2; s.H = 4; s.Hk = 2; s.T = 9; s.S = 12; s.causal = true;
+  s.pre = s.post = SideSpec::none();
+  const auto p = dcmha::test::random_problem(s, 1);
+  TypedProblem<double> tp(p);
+  dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse());
+  const auto out = tp.out_values();
+  // Softmax attention spelled out: head h reads kv head h / (H / Hk).
+  double worst = 0;
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.H; ++h)
+      for (int64_t t = 0; t < s.T; ++t) {
+        const int64_t hk = h / (s.H / s.Hk), last = std::min(s.S - 1, t + s.S - s.T);
+        std::vector<double> l(size_t(last + 1));
+        double mx = -1e300, sum = 0;
+        for (int64_t j = 0; j <= last; ++j) {
+          double x = 0;
+          for (int64_t e = 0; e < s.D; ++e)
+            x += p.q[size_t(((b * s.H + h) * s.T + t) * s.D + e)] * p.k[size_t(((b * s.Hk + hk) * s.S + j) * s.D + e)];
+          l[size_t(j)] = x / std::sqrt(double(s.D));
+          mx = std::max(mx, l[size_t(j)]);
+        }
+        for (auto& x : l) sum += (x = std::exp(x - mx));
+        for (int64_t e = 0; e < s.Dv; ++e) {
+          double o = 0;
+          for (int64_t j = 0; j <= last; ++j) o += l[size_t(j)] / sum * p.v[size_t(((b * s.Hk + hk) * s.S + j) * s.Dv + e)];
+          worst = std::max(worst, std::abs(o - out[size_t(((b * s.H + h) * s.T + t) * s.Dv + e)]));
+        }
+      }
+  EXPECT_LE(worst, 1e-12);
+}
+
+}  // namespace
