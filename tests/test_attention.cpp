@@ -167,6 +167,67 @@ TYPED_TEST(AttentionVsReference, WindowedAttention) {
   }
 }
 
+TYPED_TEST(AttentionVsReference, PaddedBatches) {
+  // Per-sequence lengths: right-padded prefill (equal lengths), decode-like (fewer queries than
+  // keys), and an all-padding sequence; with and without compose, window, GQA.
+  struct Case {
+    std::vector<int64_t> ql, kl;
+    bool causal;
+    int64_t window;
+  };
+  const Case cases[] = {{{20, 7, 0}, {20, 7, 0}, true, 0},
+                        {{3, 1, 2}, {20, 5, 9}, true, 0},
+                        {{20, 13, 1}, {25, 13, 4}, false, 0},
+                        {{20, 18, 5}, {20, 18, 11}, true, 6}};
+  for (const Case& c : cases)
+    for (bool composed : {false, true}) {
+      ProblemSpec s;
+      s.B = 3; s.H = 4; s.Hk = 2; s.T = 20; s.S = 25; s.D = 8; s.Dv = 8; s.G = 2;
+      s.causal = c.causal;
+      s.window = c.window;
+      if (!composed) s.pre = s.post = SideSpec::none();
+      auto p = dcmha::test::random_problem(s, 21);
+      p.query_lengths = c.ql;
+      p.key_lengths = c.kl;
+      SCOPED_TRACE(s.str());
+      const auto dout = dcmha::test::random_dout(p, 21);
+      const auto expected_out = dcmha::reference::forward(p);
+      const auto expected = dcmha::reference::backward(p, dout);
+      for (int threads : {1, 2}) {
+        TypedProblem<TypeParam> tp(p);
+        tp.num_threads = threads;
+        tp.set_dout(dout);
+        dcmha::AttentionConfig cfg = tp.config();
+        cfg.query_lengths = dcmha::view<1>(c.ql.data(), {3});
+        cfg.key_lengths = dcmha::view<1>(c.kl.data(), {3});
+        dcmha::forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
+        EXPECT_LE(dcmha::test::max_rel_error(expected_out, tp.out_values()), tolerance<TypeParam>());
+        dcmha::backward(cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(), tp.dv(),
+                        tp.compose(), tp.dcompose());
+        for (const auto& e : dcmha::test::gradient_errors(expected, tp.gradients()))
+          EXPECT_LE(e.rel, tolerance<TypeParam>()) << e.name;
+      }
+    }
+}
+
+TEST(AttentionApi, LengthsAreValidated) {
+  const auto p = dcmha::test::random_problem(ProblemSpec{}, 1);
+  TypedProblem<float> tp(p);
+  std::vector<int64_t> bad = {6};  // T = 5
+  dcmha::AttentionConfig cfg = tp.config();
+  cfg.query_lengths = dcmha::view<1>(bad.data(), {1});
+  try {
+    dcmha::forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
+    FAIL() << "no error";
+  } catch (const dcmha::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cfg.query_lengths[0]: expected a length in [0, 5]"), std::string::npos) << e.what();
+  }
+  std::vector<int64_t> two = {1, 1};
+  cfg.query_lengths = {};
+  cfg.key_lengths = dcmha::view<1>(two.data(), {2});
+  EXPECT_THROW(dcmha::forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose()), dcmha::Error);
+}
+
 /// Same inputs, same thread count: bitwise the same outputs and gradients.
 TYPED_TEST(AttentionVsReference, DeterministicForAFixedThreadCount) {
   for (int64_t B : {1, 2}) {  // B = 1: one key-split team; B = 2: whole items per thread

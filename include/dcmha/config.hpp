@@ -2,6 +2,8 @@
 // AttentionConfig: everything about an attention call that is not a tensor.
 #include <cstdint>
 
+#include "tensor.hpp"
+
 namespace dcmha {
 
 enum class Mask {
@@ -16,6 +18,14 @@ struct AttentionConfig {
   /// Sliding window W (spec section 1): with W > 0, query t additionally needs
   /// (t + S - T) - s < W. 0 means no window.
   std::int64_t window = 0;
+  /// Per-sequence lengths for padded batches, B values each; empty views mean T and S for
+  /// every sequence. Sequence b has real query rows [0, query_lengths[b]) and real keys
+  /// [0, key_lengths[b]); padding rows get zero output and zero gradients, padding keys are
+  /// never attended to, and the causal rule aligns each sequence's own lengths bottom-right
+  /// (query t sees key s iff s <= t + key_lengths[b] - query_lengths[b]). Right-padded prefill:
+  /// both equal to the prompt lengths. Decoding n new tokens after a cache of c_b tokens:
+  /// query_lengths = n, key_lengths = c_b + n.
+  TensorView<const index_t, 1> query_lengths, key_lengths;
   /// OpenMP threads for this call; 0 means omp_get_max_threads().
   int num_threads = 0;
 };

@@ -37,7 +37,10 @@ struct Problem {
   std::vector<double> k;  // (B, Hk, S, D)
   std::vector<double> v;  // (B, Hk, S, Dv)
   ComposeSide pre, post;
-  // Per-sequence key lengths would go here; visible() is the only place that would read them.
+  // Per-sequence lengths (B values each; empty = all T / all S). Sequence b has query rows
+  // [0, query_lengths[b]) and keys [0, key_lengths[b]); the rest is padding, and the causal
+  // rule aligns the sequence's own lengths bottom-right.
+  std::vector<int64_t> query_lengths, key_lengths;
 };
 
 /// Gradients of every input, same shapes and switches as the inputs.
@@ -54,8 +57,11 @@ inline double scale_of(const Problem& p) {
 }
 inline int64_t kv_head(const Problem& p, int64_t h) { return h / (p.H / p.Hk); }
 
-inline bool visible(const Problem& p, int64_t t, int64_t s) {
-  const int64_t last = t + (p.S - p.T);  // the key aligned with query t (bottom-right)
+inline bool visible(const Problem& p, int64_t b, int64_t t, int64_t s) {
+  const int64_t T = p.query_lengths.empty() ? p.T : p.query_lengths[size_t(b)];
+  const int64_t S = p.key_lengths.empty() ? p.S : p.key_lengths[size_t(b)];
+  if (t >= T || s >= S) return false;
+  const int64_t last = t + (S - T);  // the key aligned with query t (bottom-right)
   if (p.causal && s > last) return false;
   if (p.window > 0 && last - s >= p.window) return false;
   return true;
@@ -273,13 +279,13 @@ inline Intermediates forward_intermediates(const Problem& p) {
       for (int64_t t = 0; t < p.T; ++t) {
         double mx = -INFINITY;
         for (int64_t s = 0; s < p.S; ++s)
-          if (visible(p, t, s)) mx = std::max(mx, it.Lc[at_bhts(p, b, h, t, s)]);
+          if (visible(p, b, t, s)) mx = std::max(mx, it.Lc[at_bhts(p, b, h, t, s)]);
         if (mx == -INFINITY) continue;
         double sum = 0;
         for (int64_t s = 0; s < p.S; ++s)
-          if (visible(p, t, s)) sum += std::exp(it.Lc[at_bhts(p, b, h, t, s)] - mx);
+          if (visible(p, b, t, s)) sum += std::exp(it.Lc[at_bhts(p, b, h, t, s)] - mx);
         for (int64_t s = 0; s < p.S; ++s)
-          if (visible(p, t, s))
+          if (visible(p, b, t, s))
             it.P[at_bhts(p, b, h, t, s)] = std::exp(it.Lc[at_bhts(p, b, h, t, s)] - mx) / sum;
       }
 

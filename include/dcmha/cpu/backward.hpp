@@ -154,7 +154,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   }
   for (index_t t0 = 0; t0 < d.T; t0 += Bq) {
     const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
-    const KeyRange keys = mask.rows(t0, t1);
+    const KeyRange keys = mask.rows(b, t0, t1);
     index_t c0, c1;
     split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
     const index_t w = c1 - c0;
@@ -185,7 +185,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
                         scratch.data());
       }
     for (index_t i = 0; i < nr; ++i) {
-      const KeyRange r = mask.row(t0 + i);
+      const KeyRange r = mask.row(b, t0 + i);
       const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
       for (index_t m = 0; m < M; ++m) {
         A* row = Pp + m * hs + i * ld;

@@ -96,7 +96,7 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
   }
   for (index_t t0 = 0; t0 < d.T; t0 += Bq) {
     const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
-    const KeyRange keys = mask.rows(t0, t1);
+    const KeyRange keys = mask.rows(b, t0, t1);
     index_t c0, c1;
     split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
     const index_t w = c1 - c0;
@@ -120,7 +120,7 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
         }
       }
     for (index_t i = 0; i < nr; ++i) {
-      const KeyRange r = mask.row(t0 + i);
+      const KeyRange r = mask.row(b, t0 + i);
       const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
       for (index_t m = 0; m < M; ++m)
         my_max[m * Bq + i] = ve > vb ? Segment<A>(panel + m * hs + i * ld + vb, ve - vb).maxCoeff() : kNegInf;
@@ -129,7 +129,7 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
 
     // B: exponentials against the row maximum; masked keys become exactly 0.
     for (index_t i = 0; i < nr; ++i) {
-      const KeyRange r = mask.row(t0 + i);
+      const KeyRange r = mask.row(b, t0 + i);
       const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
       for (index_t m = 0; m < M; ++m) {
         A mx = kNegInf;
@@ -150,7 +150,7 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
 
     // C: normalize, Compose_post, this thread's share of P' V.
     for (index_t i = 0; i < nr; ++i) {
-      const KeyRange r = mask.row(t0 + i);
+      const KeyRange r = mask.row(b, t0 + i);
       const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
       for (index_t m = 0; m < M; ++m) {
         A l = 0, mx = kNegInf;

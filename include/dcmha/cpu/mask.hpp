@@ -21,30 +21,35 @@ struct RowMask {
   bool causal = false;
   index_t window = 0;  // 0 = none
   index_t T = 0, S = 0;
+  TensorView<const index_t, 1> query_lengths, key_lengths;
 
   RowMask(const AttentionConfig& cfg, index_t T_, index_t S_)
-      : causal(cfg.mask == Mask::causal), window(cfg.window), T(T_), S(S_) {}
+      : causal(cfg.mask == Mask::causal), window(cfg.window), T(T_), S(S_),
+        query_lengths(cfg.query_lengths), key_lengths(cfg.key_lengths) {}
 
-  KeyRange row(index_t t) const {
-    const index_t diag = t + (S - T);  // the key aligned with query t
-    index_t e = causal ? std::min(S, diag + 1) : S;
-    index_t b = window > 0 ? std::max<index_t>(0, diag - window + 1) : 0;
+  KeyRange row(index_t b, index_t t) const {
+    const index_t Tb = query_lengths.empty() ? T : query_lengths(b);
+    const index_t Sb = key_lengths.empty() ? S : key_lengths(b);
+    if (t >= Tb) return {0, 0};
+    const index_t diag = t + (Sb - Tb);  // the key aligned with query t
+    index_t e = causal ? std::min(Sb, diag + 1) : Sb;
+    index_t s = window > 0 ? std::max<index_t>(0, diag - window + 1) : 0;
     e = std::max<index_t>(e, 0);
-    b = std::min(b, S);
-    return {b, std::max(b, e)};
+    s = std::min(s, Sb);
+    return {s, std::max(s, e)};
   }
 
   /// Union of the ranges of rows [t0, t1) (a block is at most a few dozen rows; empty rows,
-  /// which causal T > S produces, do not shrink it).
-  KeyRange rows(index_t t0, index_t t1) const {
-    index_t b = S, e = 0;
+  /// which causal T > S and padding produce, do not shrink it).
+  KeyRange rows(index_t b, index_t t0, index_t t1) const {
+    index_t lo = S, hi = 0;
     for (index_t t = t0; t < t1; ++t) {
-      KeyRange r = row(t);
+      KeyRange r = row(b, t);
       if (r.empty()) continue;
-      b = std::min(b, r.begin);
-      e = std::max(e, r.end);
+      lo = std::min(lo, r.begin);
+      hi = std::max(hi, r.end);
     }
-    return e > b ? KeyRange{b, e} : KeyRange{0, 0};
+    return hi > lo ? KeyRange{lo, hi} : KeyRange{0, 0};
   }
 };
 

@@ -26,6 +26,21 @@ inline void validate_config(const char* fn, const AttentionConfig& cfg) {
   if (!std::isfinite(cfg.scale)) fail(fn, ": cfg.scale: expected a finite value, got ", cfg.scale);
 }
 
+/// Per-sequence lengths: B values within [0, T] (queries) and [0, S] (keys).
+inline void validate_lengths(const char* fn, const AttentionConfig& cfg, const AttentionDims& d) {
+  const std::pair<const char*, const TensorView<const index_t, 1>*> views[] = {
+      {"cfg.query_lengths", &cfg.query_lengths}, {"cfg.key_lengths", &cfg.key_lengths}};
+  for (const auto& [name, lv] : views) {
+    if (lv->empty()) continue;
+    const index_t limit = lv == &cfg.query_lengths ? d.T : d.S;
+    const char* what = lv == &cfg.query_lengths ? "T" : "S";
+    if (lv->shape[0] != d.B) fail(fn, ": ", name, ".shape[0] (B): expected ", d.B, ", got ", lv->shape[0]);
+    for (index_t b = 0; b < d.B; ++b)
+      if ((*lv)(b) < 0 || (*lv)(b) > limit)
+        fail(fn, ": ", name, "[", b, "]: expected a length in [0, ", limit, "] (", what, "), got ", (*lv)(b));
+  }
+}
+
 /// Sizes taken from q, k, v; every other tensor is checked against these.
 template <class T>
 AttentionDims validate_qkv(const char* fn, TensorView<const T, 4> q, TensorView<const T, 4> k,
@@ -99,6 +114,7 @@ AttentionDims validate_forward(const char* fn, const AttentionConfig& cfg, Tenso
                                const ComposeWeights<T>& compose) {
   validate_config(fn, cfg);
   AttentionDims d = validate_qkv(fn, q, k, v);
+  validate_lengths(fn, cfg, d);
   check_bhtdv(fn, "out", out, d);
   if (!lse.empty()) check_lse_shape(fn, lse, d);  // empty: inference, no statistics kept
 
@@ -136,6 +152,7 @@ AttentionDims validate_backward(const char* fn, const AttentionConfig& cfg,
 
   validate_config(fn, cfg);
   AttentionDims d = validate_qkv(fn, q, k, v);
+  validate_lengths(fn, cfg, d);
   // Backward recomputes the probabilities from the forward's statistics: lse is not optional.
   require_given(fn, "lse", lse, "(B, H, T)");
   check_lse_shape(fn, lse, d);
