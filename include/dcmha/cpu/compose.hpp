@@ -11,6 +11,7 @@
 
 #include "../compose_weights.hpp"
 #include "../tensor.hpp"
+#include "mask.hpp"
 #include "tile.hpp"
 
 namespace dcmha::cpu {
@@ -48,19 +49,22 @@ struct ComposeSide {
 
   /// Loads group g of batch b; key-wise terms for keys [s0, s1) only, so threads can share the work.
   template <class T>
-  void load(const ComposeTerms<T>& c, index_t b, index_t g, index_t s0, index_t s1) {
+  void load(const ComposeTerms<T>& c, index_t b, index_t g, index_t s0, index_t s1,
+            const KeyRing& ring = {}) {
     if (has_w && s0 == 0)
       for (index_t m = 0; m < M; ++m)
         for (index_t n = 0; n < M; ++n) w[m * M + n] = A(c.w(g, m, n));
     if (has_k)
-      for (index_t s = s0; s < s1; ++s)
+      for (index_t s = s0; s < s1; ++s) {
+        const index_t p = ring.slot(b, s);
         for (index_t m = 0; m < M; ++m) {
           for (index_t r = 0; r < Rk; ++r) {
-            kw1[(r * M + m) * ld + s] = A(c.kw1(b, s, g, r, m));
-            kw2[(r * M + m) * ld + s] = A(c.kw2(b, s, g, r, m));
+            kw1[(r * M + m) * ld + s] = A(c.kw1(b, p, g, r, m));
+            kw2[(r * M + m) * ld + s] = A(c.kw2(b, p, g, r, m));
           }
-          kdd[m * ld + s] = A(c.kdd(b, s, g, m));
+          kdd[m * ld + s] = A(c.kdd(b, p, g, m));
         }
+      }
   }
 
   /// Scratch a chunk needs: hidden vectors for every rank plus one M x kChunk staging block.

@@ -71,7 +71,7 @@ template <class T, class A>
 void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mask, A scale,
                    const detail::AttentionDims& d, index_t b, index_t g, TensorView<const T, 4> q,
                    TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,
-                   TensorView<A, 3> lse, const ComposeWeights<T>& cw) {
+                   TensorView<A, 3> lse, const ComposeWeights<T>& cw, const KeyRing& ring) {
   const int tid = team.rank, nth = team.size;
   const index_t M = d.M, Dv = d.Dv, group_of_kv = d.H / d.Hk;
   const index_t Bq = ws.Bq, ld = ws.ld, hs = ws.hs;
@@ -90,8 +90,8 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
   if (pre.on || post.on) {
     index_t s0, s1;
     split_range(0, d.S, tid, nth, 1, s0, s1);
-    if (pre.on) pre.load(cw.pre, b, g, s0, s1);
-    if (post.on) post.load(cw.post, b, g, s0, s1);
+    if (pre.on) pre.load(cw.pre, b, g, s0, s1, ring);
+    if (post.on) post.load(cw.post, b, g, s0, s1, ring);
     team.sync();
   }
   for (index_t t0 = 0; t0 < d.T; t0 += Bq) {
@@ -108,8 +108,10 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
     // A: scores, Compose_pre, this thread's share of each row's maximum.
     for (index_t m = 0; m < M && w > 0; ++m) {
       const index_t h = g * M + m;
-      Tile<A> L(panel + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
-      L.noalias() = (rows_of(q, b, h, t0, nr) * rows_of(k, b, h / group_of_kv, c0, w).transpose()) * scale;
+      ring.runs(b, c0, c1, [&](index_t s, index_t p, index_t n) {
+        Tile<A> L(panel + m * hs + s, nr, n, Eigen::OuterStride<>(ld));
+        L.noalias() = (rows_of(q, b, h, t0, nr) * rows_of(k, b, h / group_of_kv, p, n).transpose()) * scale;
+      });
     }
     if (pre.on)
       for (index_t cs = c0; cs < c1; cs += kChunk) {
@@ -172,22 +174,14 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
       }
     for (index_t m = 0; m < M; ++m) {
       const index_t h = g * M + m;
-      if (nth == 1) {
-        // Alone on the group: write straight to the caller's output.
-        auto O = mutable_rows_of(out, b, h, t0, nr);
-        if (w > 0)
-          O.noalias() = ConstTile<A>(panel + m * hs + c0, nr, w, Eigen::OuterStride<>(ld)) *
-                        rows_of(v, b, h / group_of_kv, c0, w);
-        else
-          O.setZero();
-        continue;
-      }
-      Tile<A> O(ws.o_part.data() + (tid * M + m) * Bq * Dv, nr, Dv, Eigen::OuterStride<>(Dv));
-      if (w > 0)
-        O.noalias() = ConstTile<A>(panel + m * hs + c0, nr, w, Eigen::OuterStride<>(ld)) *
-                      rows_of(v, b, h / group_of_kv, c0, w);
-      else
-        O.setZero();
+      // Alone on the group, a thread writes straight to the caller's output.
+      auto O = nth == 1 ? mutable_rows_of(out, b, h, t0, nr)
+                        : Tile<A>(ws.o_part.data() + (tid * M + m) * Bq * Dv, nr, Dv, Eigen::OuterStride<>(Dv));
+      O.setZero();
+      ring.runs(b, c0, c1, [&](index_t s, index_t p, index_t n) {
+        O.noalias() += ConstTile<A>(panel + m * hs + s, nr, n, Eigen::OuterStride<>(ld)) *
+                       rows_of(v, b, h / group_of_kv, p, n);
+      });
     }
     if (nth == 1) continue;
     team.sync();
@@ -213,7 +207,7 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
 template <class T>
 void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorView<const T, 4> q,
              TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,
-             TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& cw) {
+             TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& cw, const KeyRing& ring = {}) {
   using A = acc_t<T>;
   static_assert(std::is_same_v<A, T>, "storage narrower than the accumulator is not supported yet");
   const int nt = thread_count(cfg.num_threads);
@@ -228,7 +222,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
       ws.init(d, cw, 1);
 #pragma omp for schedule(dynamic, 1)
       for (index_t it = 0; it < items; ++it)
-        forward_group(Team{0, 1}, ws, mask, scale, d, it / d.G, it % d.G, q, k, v, out, lse, cw);
+        forward_group(Team{0, 1}, ws, mask, scale, d, it / d.G, it % d.G, q, k, v, out, lse, cw, ring);
     }
     return;
   }
@@ -238,7 +232,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   {
     const Team team{thread_id(), team_size()};
     for (index_t it = 0; it < items; ++it)
-      forward_group(team, ws, mask, scale, d, it / d.G, it % d.G, q, k, v, out, lse, cw);
+      forward_group(team, ws, mask, scale, d, it / d.G, it % d.G, q, k, v, out, lse, cw, ring);
   }
 }
 

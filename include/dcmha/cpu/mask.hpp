@@ -54,3 +54,29 @@ struct RowMask {
 };
 
 }  // namespace dcmha::cpu
+
+namespace dcmha::cpu {
+
+/// Where logical key s of sequence b is stored: slot (start[b] + s) mod capacity of a ring
+/// buffer (the decode cache of a sliding-window layer), or slot s when capacity is 0. Masks and
+/// panels work in logical positions; only the loads of K, V and key-wise terms go through this.
+struct KeyRing {
+  index_t capacity = 0;
+  TensorView<const index_t, 1> start;
+
+  index_t slot(index_t b, index_t s) const { return capacity ? (start(b) + s) % capacity : s; }
+
+  /// Calls f(logical_begin, slot_begin, count) for each run of consecutive slots covering
+  /// logical keys [s0, s1): one run, or two where the ring wraps.
+  template <class F>
+  void runs(index_t b, index_t s0, index_t s1, F&& f) const {
+    for (index_t s = s0; s < s1;) {
+      const index_t p = slot(b, s);
+      const index_t n = capacity ? std::min(s1 - s, capacity - p) : s1 - s;
+      f(s, p, n);
+      s += n;
+    }
+  }
+};
+
+}  // namespace dcmha::cpu
