@@ -881,8 +881,10 @@ TEST_F(ProjectionValidation, OutputsMustNotAliasInputs) {
   grads.dd.data = pr.qkw.v.data;
   expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dd: expected memory disjoint from input qkw");
   grads = pr.grads();
+  // grads.qkw is larger than dout.pre.kdd and may run into whichever buffer the allocator put
+  // next, so only the start of the message is fixed.
   grads.qkw.data = pr.dout.dd[1].v.data;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.qkw: expected memory disjoint from input dout.pre.kdd");
+  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.qkw: expected memory disjoint from input dout.");
 }
 
 TEST_F(ProjectionValidation, OutputsMustBeDistinct) {

@@ -211,7 +211,7 @@ TEST(ReferenceMasking, VisibleKeysPerRow) {
     for (int64_t t = 0; t < prob->T; ++t) {
       std::vector<int> got;
       for (int s = 0; s < prob->S; ++s)
-        if (dcmha::reference::detail::visible(*prob, t, s)) got.push_back(s);
+        if (dcmha::reference::detail::visible(*prob, 0, t, s)) got.push_back(s);
       EXPECT_EQ(got, want[t]) << "T " << prob->T << " S " << prob->S << " t " << t;
     }
 }

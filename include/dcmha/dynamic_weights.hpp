@@ -53,10 +53,9 @@ struct DynamicWeights {
 
 /// Self-attention compose weights from a projection's output (queries and keys are the same
 /// positions): query- and key-wise terms on, static terms on where a W (G, M, M) is given.
-template <class T, class U>
+template <class U, class T = std::remove_const_t<U>>
 inline ComposeWeights<T> compose_weights(const DynamicWeights<U>& dw, TensorView<const T, 3> pre_w = {},
                                          TensorView<const T, 3> post_w = {}) {
-  static_assert(std::is_same_v<std::remove_const_t<U>, T>, "scalar types differ");
   auto side = [](const DynamicWeightsSide<U>& s, TensorView<const T, 3> w) {
     ComposeTerms<T> c;
     c.static_w = !w.empty();
