@@ -98,9 +98,9 @@ struct BackwardWorkspace {
   template <class T>
   void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw, int team_size) {
     const index_t M = d.M;
-    ld = round_up(d.S, 16);
+    ld = padded_stride<A>(d.S);
     Bq = query_block_rows<A>(M, ld, d.T, 3);
-    hs = Bq * ld;
+    hs = padded_stride<A>(Bq * ld);
     pre.init(cw.pre, M, ld);
     post.init(cw.post, M, ld);
     if (pre.has_k) pre_kg.init(pre);
@@ -142,7 +142,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   for (auto& r : pre_rows) r.init(pre);
   for (auto& r : post_rows) r.init(post);
   Buffer<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
-  Buffer<A> ptile(post.on ? M * Bq * kTile : 0);
+  const index_t ptile_hs = padded_stride<A>(Bq * kTile);
+  Buffer<A> ptile(post.on ? M * ptile_hs : 0);
   A* my_d = ws.d_part.data() + tid * M * Bq;
 
   index_t s0, s1;
@@ -210,12 +211,12 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           const int n = int(std::min<index_t>(kChunk, ts + tw - cs));
           for (index_t i = 0; i < nr; ++i)
             compose_chunk(post, post_rows[i], cs, n, Pp + i * ld + cs, hs,
-                          ptile.data() + i * kTile + (cs - ts), Bq * kTile, scratch.data());
+                          ptile.data() + i * kTile + (cs - ts), ptile_hs, scratch.data());
         }
         for (index_t m = 0; m < M; ++m) {
           const index_t h = g * M + m, hk = h / group_of_kv;
           mutable_rows_of(dv, b, hk, ts, tw).noalias() +=
-              ConstTile<A>(ptile.data() + m * Bq * kTile, nr, tw, Eigen::OuterStride<>(kTile)).transpose() *
+              ConstTile<A>(ptile.data() + m * ptile_hs, nr, tw, Eigen::OuterStride<>(kTile)).transpose() *
               rows_of(dout, b, h, t0, nr);
         }
       }

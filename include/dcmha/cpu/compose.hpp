@@ -67,8 +67,9 @@ struct ComposeSide {
       }
   }
 
-  /// Scratch a chunk needs: hidden vectors for every rank plus one M x kChunk staging block.
-  index_t scratch_size() const { return (2 * (Rq + Rk) + M) * kChunk; }
+  /// Scratch a chunk needs: hidden vectors for every rank, one M x kChunk block for the static
+  /// term and, last, one M x kChunk block where a scaled copy of the input may be staged.
+  index_t scratch_size() const { return (2 * (Rq + Rk) + 2 * M) * kChunk; }
 };
 
 /// The query-wise terms of one row t.

@@ -22,6 +22,7 @@
 #include "../detail/dims.hpp"
 #include "../tensor.hpp"
 #include "compose.hpp"
+#include "compose_simd.hpp"
 #include "mask.hpp"
 #include "parallel.hpp"
 #include "tile.hpp"
@@ -54,9 +55,9 @@ struct ForwardWorkspace {
 
   template <class T>
   void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw, int team_size) {
-    ld = round_up(d.S, 16);
+    ld = padded_stride<A>(d.S);
     Bq = query_block_rows<A>(d.M, ld, d.T);
-    hs = Bq * ld;
+    hs = padded_stride<A>(Bq * ld);
     pre.init(cw.pre, d.M, ld);
     post.init(cw.post, d.M, ld);
     panel.assign(d.M * hs, A(0));
@@ -84,6 +85,8 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
   for (auto& r : pre_rows) r.init(pre);
   for (auto& r : post_rows) r.init(post);
   Buffer<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
+  Buffer<A> inv_sum(Bq * M);  // [row][m]: 1 / softmax denominator
+  const ComposeFn<A> pre_fn(pre), post_fn(post);
   A* my_max = ws.row_max.data() + tid * M * Bq;
   A* my_sum = ws.row_sum.data() + tid * M * Bq;
 
@@ -118,7 +121,7 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
         const int n = int(std::min<index_t>(kChunk, c1 - cs));
         for (index_t i = 0; i < nr; ++i) {
           A* p = panel + i * ld + cs;
-          compose_chunk(pre, pre_rows[i], cs, n, p, hs, p, hs, scratch.data());
+          pre_fn(pre, pre_rows[i], cs, n, p, hs, p, hs, nullptr, scratch.data());
         }
       }
     for (index_t i = 0; i < nr; ++i) {
@@ -160,7 +163,9 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
           l += ws.row_sum[(j * M + m) * Bq + i];
           mx = std::max(mx, ws.row_max[(j * M + m) * Bq + i]);
         }
-        if (ve > vb) Segment<A>(panel + m * hs + i * ld + vb, ve - vb) *= (l > 0 ? A(1) / l : A(0));
+        inv_sum[i * M + m] = l > 0 ? A(1) / l : A(0);
+        // With Compose_post on, the normalization is folded into it (its input scale).
+        if (ve > vb && !post.on) Segment<A>(panel + m * hs + i * ld + vb, ve - vb) *= inv_sum[i * M + m];
         if (tid == 0 && !lse.empty()) lse(b, g * M + m, t0 + i) = l > 0 ? mx + std::log(l) : kNegInf;
       }
     }
@@ -169,7 +174,7 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
         const int n = int(std::min<index_t>(kChunk, c1 - cs));
         for (index_t i = 0; i < nr; ++i) {
           A* p = panel + i * ld + cs;
-          compose_chunk(post, post_rows[i], cs, n, p, hs, p, hs, scratch.data());
+          post_fn(post, post_rows[i], cs, n, p, hs, p, hs, inv_sum.data() + i * M, scratch.data());
         }
       }
     for (index_t m = 0; m < M; ++m) {

@@ -41,4 +41,12 @@ using Buffer = std::vector<S, Eigen::aligned_allocator<S>>;
 
 inline index_t round_up(index_t x, index_t m) { return (x + m - 1) / m * m; }
 
+/// A workspace stride of at least n elements that is a multiple of 16 elements but one cache
+/// line off every large power of two. Compose walks M rows (one per head) in lockstep; at a
+/// power-of-two stride all of them map to the same L1/L2 set and evict each other.
+template <class S>
+inline index_t padded_stride(index_t n) {
+  return round_up(n, 16) + 64 / index_t(sizeof(S));
+}
+
 }  // namespace dcmha::cpu
