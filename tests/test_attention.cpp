@@ -110,6 +110,18 @@ TYPED_TEST(AttentionVsReference, QueryBlockEdges) {
   }
 }
 
+TYPED_TEST(AttentionVsReference, ManyQueryBlocksFewGroups) {
+  // B * G = 1 and at least 4 query blocks per thread: the forward hands whole query blocks to
+  // threads (private panels) instead of splitting keys.
+  ProblemSpec s;
+  s.B = 1; s.H = 2; s.Hk = 1; s.T = 530; s.S = 530; s.D = 4; s.Dv = 4; s.G = 1; s.Rq = 2; s.Rk = 1;
+  s.pre = s.post = SideSpec::dynamic();
+  for (bool causal : {true, false}) {
+    s.causal = causal;
+    check_against_reference<TypeParam>(s, 9, 2);
+  }
+}
+
 TYPED_TEST(AttentionVsReference, KeyTileEdges) {
   // Thread shares are multiples of 16 keys, compose chunks 32, backward dV tiles 64.
   for (int64_t S : {1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97}) {

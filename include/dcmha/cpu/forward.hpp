@@ -48,18 +48,14 @@ inline A default_scale(double scale, index_t D) {
 template <class A>
 struct ForwardWorkspace {
   index_t Bq = 0, ld = 0, hs = 0;
-  ComposeSide<A> pre, post;
   Buffer<A> panel;             // [m][row][key]
   Buffer<A> row_max, row_sum;  // [rank][m][row]
   Buffer<A> o_part;            // [rank][m][row][Dv]
 
-  template <class T>
-  void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw, int team_size) {
+  void init(const detail::AttentionDims& d, int team_size) {
     ld = padded_stride<A>(d.S);
     Bq = query_block_rows<A>(d.M, ld, d.T);
     hs = padded_stride<A>(Bq * ld);
-    pre.init(cw.pre, d.M, ld);
-    post.init(cw.post, d.M, ld);
     panel.assign(d.M * hs, A(0));
     row_max.assign(team_size * d.M * Bq, A(0));
     row_sum.assign(team_size * d.M * Bq, A(0));
@@ -67,17 +63,41 @@ struct ForwardWorkspace {
   }
 };
 
-/// One (batch, group): every query block of it, the keys shared across the team.
+/// Both sides' compose inputs of one (batch, group) in kernel layout; read-only once loaded.
+template <class A>
+struct ComposeSides {
+  ComposeSide<A> pre, post;
+
+  template <class T>
+  void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw) {
+    pre.init(cw.pre, d.M, padded_stride<A>(d.S));
+    post.init(cw.post, d.M, padded_stride<A>(d.S));
+  }
+  /// The team loads group g of batch b, a share of the keys each.
+  template <class T>
+  void load(const Team& team, const ComposeWeights<T>& cw, index_t S, index_t b, index_t g,
+            const KeyRing& ring) {
+    if (!pre.on && !post.on) return;
+    index_t s0, s1;
+    split_range(0, S, team.rank, team.size, 1, s0, s1);
+    if (pre.on) pre.load(cw.pre, b, g, s0, s1, ring);
+    if (post.on) post.load(cw.post, b, g, s0, s1, ring);
+    team.sync();
+  }
+};
+
+/// Query blocks [blk0, blk1) of one (batch, group), the keys of each shared across the team.
 template <class T, class A>
-void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mask, A scale,
-                   const detail::AttentionDims& d, index_t b, index_t g, TensorView<const T, 4> q,
-                   TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,
-                   TensorView<A, 3> lse, const ComposeWeights<T>& cw, const KeyRing& ring) {
+void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, const ComposeSides<A>& sides,
+                    const RowMask& mask, A scale, const detail::AttentionDims& d, index_t b,
+                    index_t g, index_t blk0, index_t blk1, TensorView<const T, 4> q,
+                    TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,
+                    TensorView<A, 3> lse, const ComposeWeights<T>& cw, const KeyRing& ring) {
   const int tid = team.rank, nth = team.size;
   const index_t M = d.M, Dv = d.Dv, group_of_kv = d.H / d.Hk;
   const index_t Bq = ws.Bq, ld = ws.ld, hs = ws.hs;
-  ComposeSide<A>& pre = ws.pre;
-  ComposeSide<A>& post = ws.post;
+  const ComposeSide<A>& pre = sides.pre;
+  const ComposeSide<A>& post = sides.post;
   A* panel = ws.panel.data();
   constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 
@@ -90,14 +110,7 @@ void forward_group(const Team& team, ForwardWorkspace<A>& ws, const RowMask& mas
   A* my_max = ws.row_max.data() + tid * M * Bq;
   A* my_sum = ws.row_sum.data() + tid * M * Bq;
 
-  if (pre.on || post.on) {
-    index_t s0, s1;
-    split_range(0, d.S, tid, nth, 1, s0, s1);
-    if (pre.on) pre.load(cw.pre, b, g, s0, s1, ring);
-    if (post.on) post.load(cw.post, b, g, s0, s1, ring);
-    team.sync();
-  }
-  for (index_t t0 = 0; t0 < d.T; t0 += Bq) {
+  for (index_t t0 = blk0 * Bq; t0 < std::min(d.T, blk1 * Bq); t0 += Bq) {
     const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
     const KeyRange keys = mask.rows(b, t0, t1);
     index_t c0, c1;
@@ -219,25 +232,59 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   const RowMask mask(cfg, d.T, d.S);
   const A scale = default_scale<A>(cfg.scale, d.D);
   const index_t items = d.B * d.G;
+  const index_t Bq = query_block_rows<A>(d.M, padded_stride<A>(d.S), d.T);
+  const index_t blocks = (d.T + Bq - 1) / Bq;
 
   if (independent_items(items, nt)) {
+    // Many (batch, group) items: each thread takes whole ones and never waits on another.
 #pragma omp parallel num_threads(nt)
     {
       ForwardWorkspace<A> ws;
-      ws.init(d, cw, 1);
+      ws.init(d, 1);
+      ComposeSides<A> sides;
+      sides.init(d, cw);
 #pragma omp for schedule(dynamic, 1)
-      for (index_t it = 0; it < items; ++it)
-        forward_group(Team{0, 1}, ws, mask, scale, d, it / d.G, it % d.G, q, k, v, out, lse, cw, ring);
+      for (index_t it = 0; it < items; ++it) {
+        const index_t b = it / d.G, g = it % d.G;
+        sides.load(Team{0, 1}, cw, d.S, b, g, ring);
+        forward_blocks(Team{0, 1}, ws, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
+      }
     }
     return;
   }
+  ComposeSides<A> sides;
+  sides.init(d, cw);
+  if (blocks >= 4 * index_t(nt)) {
+    // Few items but many query blocks: the team loads an item's compose inputs together, then
+    // each thread takes whole query blocks with a private panel (no barriers inside a block).
+    // Largest causal blocks first, so the dynamic schedule ends on small ones.
+#pragma omp parallel num_threads(nt)
+    {
+      const Team team{thread_id(), team_size()};
+      ForwardWorkspace<A> ws;
+      ws.init(d, 1);
+      for (index_t it = 0; it < items; ++it) {
+        const index_t b = it / d.G, g = it % d.G;
+        sides.load(team, cw, d.S, b, g, ring);
+#pragma omp for schedule(dynamic, 1)
+        for (index_t blk = blocks - 1; blk >= 0; --blk)
+          forward_blocks(Team{0, 1}, ws, sides, mask, scale, d, b, g, blk, blk + 1, q, k, v, out, lse, cw, ring);
+      }
+    }
+    return;
+  }
+  // Few rows (decoding, short prompts): the whole team shares each block's keys.
   ForwardWorkspace<A> ws;
-  ws.init(d, cw, nt);
+  ws.init(d, nt);
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};
-    for (index_t it = 0; it < items; ++it)
-      forward_group(team, ws, mask, scale, d, it / d.G, it % d.G, q, k, v, out, lse, cw, ring);
+    for (index_t it = 0; it < items; ++it) {
+      const index_t b = it / d.G, g = it % d.G;
+      sides.load(team, cw, d.S, b, g, ring);
+      forward_blocks(team, ws, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
+      team.sync();  // the next item reloads the shared compose inputs
+    }
   }
 }
 
