@@ -19,6 +19,7 @@
 #include "../detail/dims.hpp"
 #include "../tensor.hpp"
 #include "compose.hpp"
+#include "compose_simd.hpp"
 #include "forward.hpp"
 #include "mask.hpp"
 #include "parallel.hpp"
@@ -142,6 +143,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   for (auto& r : pre_rows) r.init(pre);
   for (auto& r : post_rows) r.init(post);
   Buffer<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
+  const ComposeFn<A> pre_fn(pre), post_fn(post);
+  const ComposeBackwardFn<A> pre_bwd(pre), post_bwd(post);
   const index_t ptile_hs = padded_stride<A>(Bq * kTile);
   Buffer<A> ptile(post.on ? M * ptile_hs : 0);
   A* my_d = ws.d_part.data() + tid * M * Bq;
@@ -174,7 +177,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     for (index_t m = 0; m < M && w > 0; ++m) {
       const index_t h = g * M + m, hk = h / group_of_kv;
       Tile<A> L(Ls + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
-      L.noalias() = (rows_of(q, b, h, t0, nr) * rows_of(k, b, hk, c0, w).transpose()) * scale;
+      L.noalias() = (rows_of(q, b, h, t0, nr) * scale) * rows_of(k, b, hk, c0, w).transpose();
       Tile<A> dPm(dPp + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
       dPm.noalias() = rows_of(dout, b, h, t0, nr) * rows_of(v, b, hk, c0, w).transpose();
     }
@@ -182,8 +185,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       for (index_t cs = c0; cs < c1; cs += kChunk) {
         const int n = int(std::min<index_t>(kChunk, c1 - cs));
         for (index_t i = 0; i < nr; ++i)
-          compose_chunk(pre, pre_rows[i], cs, n, Lp + i * ld + cs, hs, Pp + i * ld + cs, hs,
-                        scratch.data());
+          pre_fn(pre, pre_rows[i], cs, n, Lp + i * ld + cs, hs, Pp + i * ld + cs, hs, nullptr,
+                 scratch.data());
       }
     for (index_t i = 0; i < nr; ++i) {
       const KeyRange r = mask.row(b, t0 + i);
@@ -210,8 +213,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         for (index_t cs = ts; cs < ts + tw; cs += kChunk) {
           const int n = int(std::min<index_t>(kChunk, ts + tw - cs));
           for (index_t i = 0; i < nr; ++i)
-            compose_chunk(post, post_rows[i], cs, n, Pp + i * ld + cs, hs,
-                          ptile.data() + i * kTile + (cs - ts), ptile_hs, scratch.data());
+            post_fn(post, post_rows[i], cs, n, Pp + i * ld + cs, hs,
+                    ptile.data() + i * kTile + (cs - ts), ptile_hs, nullptr, scratch.data());
         }
         for (index_t m = 0; m < M; ++m) {
           const index_t h = g * M + m, hk = h / group_of_kv;
@@ -224,7 +227,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         const int n = int(std::min<index_t>(kChunk, c1 - cs));
         for (index_t i = 0; i < nr; ++i) {
           A* gp = dPp + i * ld + cs;
-          compose_chunk_backward(post, post_rows[i], cs, n, Pp + i * ld + cs, hs, gp, hs, gp, hs,
+          post_bwd(post, post_rows[i], cs, n, Pp + i * ld + cs, hs, gp, hs, gp, hs,
                                  my_post_rg[i], ws.post_kg, dw_post, scratch.data());
         }
       }
@@ -249,24 +252,28 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         const int n = int(std::min<index_t>(kChunk, c1 - cs));
         for (index_t i = 0; i < nr; ++i) {
           A* gp = dPp + i * ld + cs;
-          compose_chunk_backward(pre, pre_rows[i], cs, n, Lp + i * ld + cs, hs, gp, hs, gp, hs,
+          pre_bwd(pre, pre_rows[i], cs, n, Lp + i * ld + cs, hs, gp, hs, gp, hs,
                                  my_pre_rg[i], ws.pre_kg, dw_pre, scratch.data());
         }
       }
     for (index_t m = 0; m < M; ++m) {
       const index_t h = g * M + m, hk = h / group_of_kv;
       ConstTile<A> dL(dPp + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
-      if (w > 0) mutable_rows_of(dk, b, hk, c0, w).noalias() += (dL.transpose() * rows_of(q, b, h, t0, nr)) * scale;
+      if (w > 0) mutable_rows_of(dk, b, hk, c0, w).noalias() += dL.transpose() * (rows_of(q, b, h, t0, nr) * scale);
       if (nth == 1) {
         // Alone on the group: write straight to the caller's gradient.
         auto dQ = mutable_rows_of(dq, b, h, t0, nr);
-        if (w > 0) dQ.noalias() = (dL * rows_of(k, b, hk, c0, w)) * scale;
+        if (w > 0) dQ.noalias() = dL * (rows_of(k, b, hk, c0, w) * scale);
         else dQ.setZero();
         continue;
       }
       Tile<A> dQ(ws.dq_part.data() + (tid * M + m) * Bq * D, nr, D, Eigen::OuterStride<>(D));
-      if (w > 0) dQ.noalias() = (dL * rows_of(k, b, hk, c0, w)) * scale;
+      if (w > 0) dQ.noalias() = dL * (rows_of(k, b, hk, c0, w) * scale);
       else dQ.setZero();
+    }
+    for (index_t i = 0; i < nr; ++i) {
+      if (pre.has_q) my_pre_rg[i].fold_lanes();
+      if (post.has_q) my_post_rg[i].fold_lanes();
     }
     team.sync();
 

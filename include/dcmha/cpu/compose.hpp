@@ -164,19 +164,37 @@ inline void compose_chunk(const ComposeSide<A>& c, const ComposeRow<A>& q, index
   }
 }
 
-/// Gradient accumulators of one side's query-wise terms for one row.
+/// Gradient accumulators of one side's query-wise terms for one row. The vectorized backward
+/// adds 32-byte lane vectors (`lanes`, [term][r][m][lane]) and folds them into the scalars once
+/// per row, instead of a horizontal sum per chunk.
 template <class A>
 struct ComposeRowGrads {
-  Buffer<A> qw1, qw2, qdd;  // [r][m], [r][m], [m]
+  static constexpr index_t kLanes = index_t(32 / sizeof(A));
+  std::vector<A> qw1, qw2, qdd;  // [r][m], [r][m], [m]
+  Buffer<A> lanes;               // qw1 [r][m][lane], then qw2 [r][m][lane], then qdd [m][lane]
   void init(const ComposeSide<A>& c) {
     qw1.assign(c.Rq * c.M, A(0));
     qw2.assign(c.Rq * c.M, A(0));
     qdd.assign(c.M, A(0));
+    lanes.assign((2 * c.Rq + 1) * c.M * kLanes, A(0));
   }
   void zero() {
     std::fill(qw1.begin(), qw1.end(), A(0));
     std::fill(qw2.begin(), qw2.end(), A(0));
     std::fill(qdd.begin(), qdd.end(), A(0));
+    std::fill(lanes.begin(), lanes.end(), A(0));
+  }
+  /// Adds the lane vectors into the scalars (fixed order) and clears them.
+  void fold_lanes() {
+    const index_t n1 = index_t(qw1.size());
+    for (index_t i = 0; i < index_t(lanes.size()) / kLanes; ++i) {
+      A sum = 0;
+      for (index_t l = 0; l < kLanes; ++l) sum += lanes[i * kLanes + l];
+      if (i < n1) qw1[i] += sum;
+      else if (i < 2 * n1) qw2[i - n1] += sum;
+      else qdd[i - 2 * n1] += sum;
+    }
+    std::fill(lanes.begin(), lanes.end(), A(0));
   }
 };
 

@@ -7,6 +7,7 @@
 // passes of a few fused multiply-adds, instead of load-FMA-store chains. The ranks are template
 // parameters so the accumulators are plain register variables.
 #include <cstring>
+#include <utility>
 
 #include "compose.hpp"
 
@@ -85,7 +86,114 @@ void compose_chunk_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, in
     }
   }
 }
+
+/// compose_chunk_backward for sides without static W and with Rq, Rk equal to the template ranks.
+/// The query-wise gradients go to rg.lanes (fold_lanes() turns them into rg's scalars).
+template <class A, int RQ, int RK>
+void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s,
+                                      int n, const A* a, index_t a_hs, const A* gp, index_t gp_hs,
+                                      A* g, index_t g_hs, ComposeRowGrads<A>& rg,
+                                      ComposeKeyGrads<A>& kg, A* dw, A* scratch) {
+  using V = typename Simd<A>::V;
+  constexpr int L = Simd<A>::L;
+  constexpr int NB = kChunk / L;
+  constexpr int RQ1 = RQ > 0 ? RQ : 1, RK1 = RK > 0 ? RK : 1;
+  const index_t M = c.M, ld = c.ld;
+  const int nb = n / L;
+  V qh[RQ1][NB], gq[RQ1][NB], kh[RK1][NB], gk[RK1][NB];
+  for (int jb = 0; jb < nb; ++jb) {
+    const index_t j = jb * L;
+    V hq[RQ1] = {}, eq[RQ1] = {}, hk[RK1] = {}, ek[RK1] = {};
+    for (index_t m = 0; m < M; ++m) {
+      const V av = vload(a + m * a_hs + j), gv = vload(gp + m * gp_hs + j);
+      for (int r = 0; r < RQ; ++r) {
+        hq[r] += av * q.qw1[r * M + m];
+        eq[r] += gv * q.qw2[r * M + m];
+      }
+      for (int r = 0; r < RK; ++r) {
+        hk[r] += av * vload(c.kw1.data() + (r * M + m) * ld + s + j);
+        ek[r] += gv * vload(c.kw2.data() + (r * M + m) * ld + s + j);
+      }
+    }
+    for (int r = 0; r < RQ; ++r) { qh[r][jb] = hq[r]; gq[r][jb] = eq[r]; }
+    for (int r = 0; r < RK; ++r) { kh[r][jb] = hk[r]; gk[r][jb] = ek[r]; }
+  }
+  A* lanes1 = rg.lanes.data();
+  A* lanes2 = lanes1 + RQ * M * L;
+  A* lanes_dd = lanes2 + RQ * M * L;
+  for (index_t m = 0; m < M; ++m) {
+    V d1[RQ1] = {}, d2[RQ1] = {}, dd = {};
+    const A gate = A(1) + (RQ ? q.qdd[m] : A(0));
+    for (int jb = 0; jb < nb; ++jb) {
+      const index_t j = jb * L;
+      const V av = vload(a + m * a_hs + j), gv = vload(gp + m * gp_hs + j);
+      V out = gv * gate;
+      for (int r = 0; r < RQ; ++r) {
+        d1[r] += av * gq[r][jb];
+        d2[r] += qh[r][jb] * gv;
+        out += gq[r][jb] * q.qw1[r * M + m];
+      }
+      if (RQ) dd += av * gv;
+      for (int r = 0; r < RK; ++r) {
+        A* k1 = kg.kw1.data() + (r * M + m) * ld + s + j;
+        A* k2 = kg.kw2.data() + (r * M + m) * ld + s + j;
+        vstore(k1, vload(k1) + av * gk[r][jb]);
+        vstore(k2, vload(k2) + kh[r][jb] * gv);
+        out += gk[r][jb] * vload(c.kw1.data() + (r * M + m) * ld + s + j);
+      }
+      if (RK) {
+        A* kd = kg.kdd.data() + m * ld + s + j;
+        vstore(kd, vload(kd) + av * gv);
+        out += gv * vload(c.kdd.data() + m * ld + s + j);
+      }
+      vstore(g + m * g_hs + j, out);
+    }
+    for (int r = 0; r < RQ; ++r) {
+      vstore(lanes1 + (r * M + m) * L, vload(lanes1 + (r * M + m) * L) + d1[r]);
+      vstore(lanes2 + (r * M + m) * L, vload(lanes2 + (r * M + m) * L) + d2[r]);
+    }
+    if (RQ) vstore(lanes_dd + m * L, vload(lanes_dd + m * L) + dd);
+  }
+  const int j = nb * L;
+  if (j < n)
+    compose_chunk_backward(c, q, s + j, n - j, a + j, a_hs, gp + j, gp_hs, g + j, g_hs, rg, kg, dw,
+                           scratch);
+}
 #endif
+
+/// compose_chunk_backward with the fastest path the side allows.
+template <class A>
+struct ComposeBackwardFn {
+  using Fn = void (*)(const ComposeSide<A>&, const ComposeRow<A>&, index_t, int, const A*, index_t,
+                      const A*, index_t, A*, index_t, ComposeRowGrads<A>&, ComposeKeyGrads<A>&, A*,
+                      A*);
+  Fn fn = &compose_chunk_backward<A>;
+
+  explicit ComposeBackwardFn(const ComposeSide<A>& c) {
+#ifdef DCMHA_HAS_VECTOR_EXTENSIONS
+    if (!c.has_w && c.Rq <= 3 && c.Rk <= 3) fn = table[c.Rq][c.Rk];
+#else
+    (void)c;
+#endif
+  }
+  template <class... Args>
+  void operator()(Args&&... args) const {
+    fn(std::forward<Args>(args)...);
+  }
+
+ private:
+#ifdef DCMHA_HAS_VECTOR_EXTENSIONS
+  static constexpr Fn table[4][4] = {
+      {&compose_chunk_backward_registers<A, 0, 0>, &compose_chunk_backward_registers<A, 0, 1>,
+       &compose_chunk_backward_registers<A, 0, 2>, &compose_chunk_backward_registers<A, 0, 3>},
+      {&compose_chunk_backward_registers<A, 1, 0>, &compose_chunk_backward_registers<A, 1, 1>,
+       &compose_chunk_backward_registers<A, 1, 2>, &compose_chunk_backward_registers<A, 1, 3>},
+      {&compose_chunk_backward_registers<A, 2, 0>, &compose_chunk_backward_registers<A, 2, 1>,
+       &compose_chunk_backward_registers<A, 2, 2>, &compose_chunk_backward_registers<A, 2, 3>},
+      {&compose_chunk_backward_registers<A, 3, 0>, &compose_chunk_backward_registers<A, 3, 1>,
+       &compose_chunk_backward_registers<A, 3, 2>, &compose_chunk_backward_registers<A, 3, 3>}};
+#endif
+};
 
 /// Compose on one row chunk with the fastest path the side allows; see compose_chunk.
 template <class A>

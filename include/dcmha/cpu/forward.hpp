@@ -126,7 +126,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, const ComposeSide
       const index_t h = g * M + m;
       ring.runs(b, c0, c1, [&](index_t s, index_t p, index_t n) {
         Tile<A> L(panel + m * hs + s, nr, n, Eigen::OuterStride<>(ld));
-        L.noalias() = (rows_of(q, b, h, t0, nr) * rows_of(k, b, h / group_of_kv, p, n).transpose()) * scale;
+        L.noalias() = (rows_of(q, b, h, t0, nr) * scale) * rows_of(k, b, h / group_of_kv, p, n).transpose();
       });
     }
     if (pre.on)
