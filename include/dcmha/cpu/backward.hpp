@@ -100,7 +100,8 @@ struct BackwardWorkspace {
   void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw, int team_size) {
     const index_t M = d.M;
     ld = padded_stride<A>(d.S);
-    Bq = query_block_rows<A>(M, ld, d.T, 3);
+    // One team shares the three panels, so they get a larger budget than one forward panel.
+    Bq = query_block_rows<A>(M, ld, d.T, 3, index_t(48) << 20);
     hs = padded_stride<A>(Bq * ld);
     pre.init(cw.pre, M, ld);
     post.init(cw.post, M, ld);

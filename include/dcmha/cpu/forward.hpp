@@ -29,12 +29,13 @@
 
 namespace dcmha::cpu {
 
-/// Rows per query block: as many as keep the kernel's panels (each M x Bq x S) within a budget
-/// that stays in the last-level cache, between 8 and 64.
+/// Rows per query block: as many as keep `panels` panels (each M x Bq x S values) within
+/// `budget` bytes, between 8 and 64. The budget trades the matrix products' efficiency (more
+/// rows per product) against memory and cache footprint.
 template <class A>
-inline index_t query_block_rows(index_t M, index_t ld, index_t T, index_t panels = 1) {
-  constexpr index_t kPanelBytes = index_t(16) << 20;
-  index_t rows = kPanelBytes / index_t(sizeof(A)) / std::max<index_t>(panels * M * ld, 1);
+inline index_t query_block_rows(index_t M, index_t ld, index_t T, index_t panels = 1,
+                                index_t budget = index_t(16) << 20) {
+  index_t rows = budget / index_t(sizeof(A)) / std::max<index_t>(panels * M * ld, 1);
   rows = std::max<index_t>(8, std::min<index_t>(64, rows / 8 * 8));
   return std::min(rows, T);
 }
