@@ -1,8 +1,11 @@
 // Benchmarks of the attention core: MHA against DCMHA on the same inputs.
 //
 // Names: <dir>/<op>/B<b>/H<h>/T<t>/D<d>/<mask>, dir in {fwd, bwd, fwdbwd}, op in {mha, dcmha},
-// mask in {causal, full}. Google Benchmark appends "/real_time" (and "_median" etc. for
-// aggregates) in its reports, so a --benchmark_filter should not anchor the mask with '$'.
+// mask in {causal, full, window<w>} (window<w>: causal with a sliding window of w keys, the local
+// layers of DCFormer). Decoding: decode/<op>/B<b>/H<h>/S<s>/D<d>, one new token per sequence
+// against a DecodeCache holding s tokens (the new one included). Google Benchmark appends
+// "/real_time" (and "_median" etc. for aggregates) in its reports, so a --benchmark_filter should
+// not anchor the mask with '$'.
 //
 // DCMHA runs the official DCFormer default: G = 1, pre and post compose, query-wise and key-wise
 // rank-2 terms plus their gates, no static W. The dynamic weights are random and made once
@@ -21,6 +24,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -49,6 +53,7 @@ struct Case {
   index_t B, H, T, D;
   dcmha::Mask mask;
   bool memory_counters;
+  index_t window = 0;  // > 0: causal with a sliding window
 };
 
 const char* name_of(Dir d) { return d == Dir::fwd ? "fwd" : d == Dir::bwd ? "bwd" : "fwdbwd"; }
@@ -58,7 +63,7 @@ const char* name_of(dcmha::Mask m) { return m == dcmha::Mask::causal ? "causal" 
 std::string name_of(const Case& c) {
   return std::string(name_of(c.dir)) + "/" + name_of(c.op) + "/B" + std::to_string(c.B) + "/H" +
          std::to_string(c.H) + "/T" + std::to_string(c.T) + "/D" + std::to_string(c.D) + "/" +
-         name_of(c.mask);
+         (c.window > 0 ? "window" + std::to_string(c.window) : std::string(name_of(c.mask)));
 }
 
 constexpr index_t kGroups = 1;  // official DCFormer default
@@ -130,6 +135,7 @@ struct Problem {
   dcmha::ComposeGrads<float> dcompose;
   bool have_forward = false;
   dcmha::Mask forward_mask = dcmha::Mask::causal;
+  index_t forward_window = 0;
 
   Problem(index_t B_, index_t H_, index_t T_, index_t D_, bool dc)
       : B(B_), H(H_), T(T_), D(D_), dcmha(dc) {
@@ -163,11 +169,12 @@ struct Problem {
   void forward(const dcmha::AttentionConfig& cfg) {
     dcmha::forward(cfg, act(q), act(k), act(v), act(o), lse_view(), compose);
     forward_mask = cfg.mask;
+    forward_window = cfg.window;
     have_forward = true;
   }
-  /// The problem is shared between cases, so the saved lse may come from the other mask.
+  /// The problem is shared between cases, so the saved lse may come from another mask.
   void ensure_forward(const dcmha::AttentionConfig& cfg) {
-    if (!have_forward || forward_mask != cfg.mask) forward(cfg);
+    if (!have_forward || forward_mask != cfg.mask || forward_window != cfg.window) forward(cfg);
   }
   void backward(const dcmha::AttentionConfig& cfg) {
     dcmha::backward(cfg, act(q), act(k), act(v), lse_view(), act(dout), act(dq), act(dk), act(dv),
@@ -185,8 +192,11 @@ struct Problem {
 // Google Benchmark calls a benchmark function once per repetition and per iteration-count probe;
 // rebuilding a T16384 problem each time would dominate the run, so the last one is kept. Only
 // one lives at a time, which keeps peak memory at the largest single case.
+std::unique_ptr<Problem> cached;
+void release_decode_problem();
+
 Problem& problem_for(const Case& c) {
-  static std::unique_ptr<Problem> cached;
+  release_decode_problem();
   const bool dc = c.op == Op::dcmha;
   if (!cached || cached->B != c.B || cached->H != c.H || cached->T != c.T || cached->D != c.D ||
       cached->dcmha != dc) {
@@ -217,6 +227,10 @@ int max_threads() {
 double useful_flops(const Case& c) {
   double f = 4.0 * double(c.B) * double(c.H) * double(c.T) * double(c.T) * double(c.D);
   if (c.mask == dcmha::Mask::causal) f *= 0.5;
+  if (c.window > 0 && c.window < c.T) {  // row t sees min(t + 1, W) keys
+    const double T = double(c.T), W = double(c.window);
+    f = 4.0 * double(c.B) * double(c.H) * (T * W - W * (W - 1) / 2) * double(c.D);
+  }
   if (c.dir == Dir::bwd) f *= 2.5;
   if (c.dir == Dir::fwdbwd) f *= 3.5;
   return f;
@@ -225,6 +239,7 @@ double useful_flops(const Case& c) {
 void run_case(benchmark::State& state, const Case& c) {
   dcmha::AttentionConfig cfg;
   cfg.mask = c.mask;
+  cfg.window = c.window;
   Problem& p = problem_for(c);
   if (c.dir != Dir::fwd) p.ensure_grads();
 
@@ -272,6 +287,129 @@ void run_case(benchmark::State& state, const Case& c) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Decoding: one new token per sequence against a DecodeCache of S tokens
+
+struct DecodeCase {
+  Op op;
+  index_t B, H, S, D;
+};
+
+std::string name_of(const DecodeCase& c) {
+  return std::string("decode/") + name_of(c.op) + "/B" + std::to_string(c.B) + "/H" +
+         std::to_string(c.H) + "/S" + std::to_string(c.S) + "/D" + std::to_string(c.D);
+}
+
+// The cache is filled once, outside the timed loop, and then holds S tokens per sequence, the new
+// one (appended last, alone) included. Every timed iteration decodes that same token again, so
+// the cache neither grows nor changes between iterations.
+struct DecodeProblem {
+  static constexpr index_t kFillChunk = 512;
+  DecodeCase c;
+  dcmha::DecodeCacheConfig cc;
+  dcmha::DecodeCache<float> cache;
+  std::vector<float> q, out;
+  DynamicWeightBuffers step_dynw;  // the new token's dynamic weights
+  dcmha::ComposeWeights<float> query_side;
+
+  static dcmha::DecodeCacheConfig config(const DecodeCase& c) {
+    dcmha::DecodeCacheConfig cc;
+    cc.B = c.B; cc.H = c.H; cc.Hk = c.H; cc.D = c.D; cc.Dv = c.D; cc.G = kGroups;
+    const bool dc = c.op == Op::dcmha;
+    cc.pre_key_wise = cc.post_key_wise = dc;
+    cc.Rk = dc ? kRank : 0;
+    cc.capacity = c.S;
+    cc.max_step = std::min(c.S, kFillChunk);
+    return cc;
+  }
+
+  explicit DecodeProblem(const DecodeCase& c_) : c(c_), cc(config(c_)), cache(cc) {
+    const index_t B = c.B, H = c.H, D = c.D, M = H / kGroups, chunk = cc.max_step;
+    const bool dc = c.op == Op::dcmha;
+    std::vector<float> k(static_cast<std::size_t>(B * H * chunk * D)), v(k.size());
+    fill_normal(k, 1.0f, 2);
+    fill_normal(v, 1.0f, 3);
+    DynamicWeightBuffers fill_dynw(B, chunk, kGroups, kRank, M);
+    fill_normal(fill_dynw.data, 0.1f, 4);
+    // The first n tokens of the chunk buffers.
+    auto kv = [&](std::vector<float>& x, index_t n) {
+      return dcmha::view<4>(x.data(), {B, H, n, D}, {H * chunk * D, chunk * D, D, 1});
+    };
+    auto key_side = [&](DynamicWeightBuffers& dw, index_t n) {
+      if (!dc) return dcmha::ComposeWeights<float>{};
+      dcmha::ComposeWeights<float> w = dcmha::decode_key_side(dw.views());
+      for (dcmha::ComposeTerms<float>* t : {&w.pre, &w.post}) {
+        t->kw1.shape[1] = n;
+        t->kw2.shape[1] = n;
+        t->kdd.shape[1] = n;
+      }
+      return w;
+    };
+    for (index_t done = 0; done < c.S - 1;) {
+      const index_t n = std::min(chunk, c.S - 1 - done);
+      cache.append(kv(k, n), kv(v, n), key_side(fill_dynw, n));
+      done += n;
+    }
+    step_dynw = DynamicWeightBuffers(B, 1, kGroups, kRank, M);
+    fill_normal(step_dynw.data, 0.1f, 5);
+    cache.append(kv(k, 1), kv(v, 1), key_side(step_dynw, 1));
+    if (dc) query_side = dcmha::decode_query_side(step_dynw.views());
+    q.resize(static_cast<std::size_t>(B * H * D));
+    out.resize(q.size());
+    fill_normal(q, 1.0f, 1);
+  }
+
+  void decode(const dcmha::AttentionConfig& cfg) {
+    dcmha::decode(cfg, dcmha::bhtd(q.data(), c.B, c.H, 1, c.D), cache, query_side,
+                  dcmha::bhtd(out.data(), c.B, c.H, 1, c.D));
+  }
+
+  /// K + V (+ key-wise compose state) of all B sequences, per cached token.
+  double cache_bytes_per_token() const {
+    return double(dcmha::DecodeCache<float>::required_elements(cc)) * sizeof(float) / double(c.S);
+  }
+};
+
+std::unique_ptr<DecodeProblem> cached_decode;
+void release_decode_problem() { cached_decode.reset(); }
+
+// Like problem_for: one problem at a time, the attention problem released first.
+DecodeProblem& decode_problem_for(const DecodeCase& c) {
+  cached.reset();
+  if (!cached_decode || cached_decode->c.op != c.op || cached_decode->c.B != c.B ||
+      cached_decode->c.H != c.H || cached_decode->c.S != c.S || cached_decode->c.D != c.D) {
+    cached_decode.reset();
+    cached_decode = std::make_unique<DecodeProblem>(c);
+  }
+  return *cached_decode;
+}
+
+void run_decode_case(benchmark::State& state, const DecodeCase& c) {
+  const dcmha::AttentionConfig cfg;
+  try {
+    DecodeProblem& p = decode_problem_for(c);
+    p.decode(cfg);  // warm-up: the first touch of the output and the OpenMP pool
+    for (auto _ : state) {
+      p.decode(cfg);
+      benchmark::ClobberMemory();
+    }
+    // QK^T and PV of one query row per head against S keys; compose work is not counted.
+    state.counters["FLOPS"] = benchmark::Counter(4.0 * double(c.B) * double(c.H) * double(c.S) * double(c.D),
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["threads"] = max_threads();
+    state.counters["cache_bytes_per_token"] = p.cache_bytes_per_token();
+  } catch (const std::exception& e) {
+    g_any_failed = true;
+    state.SkipWithError(e.what());
+  }
+}
+
+void register_decode_case(const DecodeCase& c) {
+  benchmark::RegisterBenchmark(name_of(c).c_str(), [c](benchmark::State& s) { run_decode_case(s, c); })
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+}
+
 void register_case(const Case& c) {
   benchmark::RegisterBenchmark(name_of(c).c_str(), [c](benchmark::State& s) { run_case(s, c); })
       ->UseRealTime()
@@ -301,6 +439,19 @@ void register_all(bool smoke, bool memory_everywhere) {
   if (!smoke)
     for (Op op : {Op::mha, Op::dcmha})
       register_case({Dir::fwdbwd, op, 1, 16, 16384, 64, dcmha::Mask::causal, true});
+
+  // Local layers (DCFormer's window 256): the cost should grow linearly in T, not quadratically.
+  const index_t window = smoke ? 8 : 256;
+  for (index_t T : smoke ? std::vector<index_t>{32, 64} : std::vector<index_t>{2048, 8192})
+    for (Op op : {Op::mha, Op::dcmha})
+      register_case({Dir::fwd, op, 1, smoke ? 4 : 32, T, smoke ? 16 : 128, dcmha::Mask::causal,
+                     memory_everywhere, window});
+
+  // Decoding with DCFormer-6.9B's heads: one token, a batch of 1 (latency) and of 8.
+  for (index_t S : smoke ? std::vector<index_t>{32, 64} : std::vector<index_t>{1024, 4096, 16384})
+    for (index_t B : {1, 8})
+      for (Op op : {Op::mha, Op::dcmha})
+        register_decode_case({op, B, smoke ? 4 : 32, S, smoke ? 16 : 128});
 }
 
 }  // namespace

@@ -15,9 +15,13 @@ import sys
 
 NAME = re.compile(
     r"^(?P<dir>fwd|bwd|fwdbwd)/(?P<op>mha|dcmha)/B(?P<B>\d+)/H(?P<H>\d+)/T(?P<T>\d+)/D(?P<D>\d+)"
-    r"/(?P<mask>causal|full)")
+    r"/(?P<mask>causal|full|window\d+)")
+# decode/<op>/B<b>/H<h>/S<s>/D<d>: one new token against s cached ones. Keyed like the rows above
+# with dir "decode", T = s and mask "cache", so ratios, sorting and plotting need no special case.
+DECODE_NAME = re.compile(
+    r"^(?P<dir>decode)/(?P<op>mha|dcmha)/B(?P<B>\d+)/H(?P<H>\d+)/S(?P<T>\d+)/D(?P<D>\d+)")
 TO_MS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
-DIR_ORDER = {"fwd": 0, "bwd": 1, "fwdbwd": 2}
+DIR_ORDER = {"fwd": 0, "bwd": 1, "fwdbwd": 2, "decode": 3}
 
 
 def load(paths):
@@ -29,11 +33,12 @@ def load(paths):
             doc = json.load(f)
         context = context or doc.get("context", {})
         for b in doc.get("benchmarks", []):
-            m = NAME.match(b.get("run_name", b["name"]))
+            name = b.get("run_name", b["name"])
+            m = NAME.match(name) or DECODE_NAME.match(name)
             if not m:
                 continue
-            key = (m["dir"], m["op"], int(m["B"]), int(m["H"]), int(m["T"]), int(m["D"]),
-                   m["mask"])
+            mask = m["mask"] if m["dir"] != "decode" else "cache"
+            key = (m["dir"], m["op"], int(m["B"]), int(m["H"]), int(m["T"]), int(m["D"]), mask)
             if b.get("error_occurred"):
                 errors[key] = b.get("error_message", "error")
             elif b.get("run_type") == "aggregate":
@@ -55,7 +60,9 @@ def ms(b):
 
 
 def shape_of(key):
-    _, _, B, H, T, D, mask = key
+    d, _, B, H, T, D, mask = key
+    if d == "decode":
+        return f"B{B}/H{H}/S{T}/D{D}/cache"
     return f"B{B}/H{H}/T{T}/D{D}/{mask}"
 
 
@@ -91,6 +98,15 @@ def table(rows, errors):
     fmt = lambda cells: "  ".join(
         str(c).ljust(w) if i < 3 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     out = [fmt(header), fmt(["-" * w for w in widths])] + [fmt(l) for l in lines]
+
+    cache = [(k, rows[k]) for k in sorted(rows, key=sort_key) if "cache_bytes_per_token" in rows[k]]
+    if cache:
+        out += ["", "decode cache per cached token (K + V + key-wise compose state, all B):"]
+        for k, b in cache:
+            mha = rows.get((k[0], "mha") + k[2:])
+            rel = (f"  ({b['cache_bytes_per_token'] / mha['cache_bytes_per_token']:.3f} x MHA)"
+                   if k[1] == "dcmha" and mha and "cache_bytes_per_token" in mha else "")
+            out.append(f"  {shape_of(k)} {k[1]:5}  {b['cache_bytes_per_token']:10.0f} bytes{rel}")
 
     mem = [(k, rows[k]) for k in sorted(rows, key=sort_key) if "peak_rss_MiB" in rows[k]]
     if mem:
@@ -157,7 +173,7 @@ set multiplot layout 1,2
 set grid
 set key top left font ",8"
 set logscale xy 2
-set xlabel 'T (query = key length)'
+set xlabel 'T (query = key length; decode: S cached keys)'
 set ylabel 'median time (ms)'
 set title 'dcmha: median time'
 {plot_cmd(time_plots)}
