@@ -97,14 +97,15 @@ struct BackwardWorkspace {
   std::vector<ComposeRowGrads<A>> pre_rg, post_rg;  // [set][rank][row]
 
   template <class T>
-  void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw, int team_size) {
+  void init(const detail::AttentionDims& d, const RowMask& mask, const ComposeWeights<T>& cw,
+            int team_size) {
     const index_t M = d.M;
-    ld = padded_stride<A>(d.S);
     // One team shares the three panels, so they get a larger budget than one forward panel.
-    Bq = query_block_rows<A>(M, ld, d.T, 3, index_t(48) << 20);
+    Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(64)), d.T, 3, index_t(48) << 20);
+    ld = padded_stride<A>(mask.max_block_keys(Bq));  // panel row: one block's keys
     hs = padded_stride<A>(Bq * ld);
-    pre.init(cw.pre, M, ld);
-    post.init(cw.post, M, ld);
+    pre.init(cw.pre, M, padded_stride<A>(d.S));  // key-wise terms of every key
+    post.init(cw.post, M, padded_stride<A>(d.S));
     if (pre.has_k) pre_kg.init(pre);
     if (post.has_k) post_kg.init(post);
     Lp.assign(pre.on ? M * hs : 0, A(0));
@@ -160,6 +161,9 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   for (index_t t0 = 0; t0 < d.T; t0 += Bq) {
     const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
     const KeyRange keys = mask.rows(b, t0, t1);
+    const index_t base = keys.begin;  // panel column 0 holds this key
+    index_t lo, hi;
+    mask.live_rows(b, t0, t1, lo, hi);
     index_t c0, c1;
     split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
     const index_t w = c1 - c0;
@@ -177,35 +181,35 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     A* Ls = pre.on ? Lp : Pp;
     for (index_t m = 0; m < M && w > 0; ++m) {
       const index_t h = g * M + m, hk = h / group_of_kv;
-      Tile<A> L(Ls + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
+      Tile<A> L(Ls + m * hs + (c0 - base), nr, w, Eigen::OuterStride<>(ld));
       L.noalias() = (rows_of(q, b, h, t0, nr) * scale) * rows_of(k, b, hk, c0, w).transpose();
-      Tile<A> dPm(dPp + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
+      Tile<A> dPm(dPp + m * hs + (c0 - base), nr, w, Eigen::OuterStride<>(ld));
       dPm.noalias() = rows_of(dout, b, h, t0, nr) * rows_of(v, b, hk, c0, w).transpose();
     }
     if (pre.on)
       for (index_t cs = c0; cs < c1; cs += kChunk) {
         const int n = int(std::min<index_t>(kChunk, c1 - cs));
-        for (index_t i = 0; i < nr; ++i)
-          pre_fn(pre, pre_rows[i], cs, n, Lp + i * ld + cs, hs, Pp + i * ld + cs, hs, nullptr,
+        for (index_t i = lo; i < hi; ++i)
+          pre_fn(pre, pre_rows[i], cs, n, Lp + i * ld + (cs - base), hs, Pp + i * ld + (cs - base), hs, nullptr,
                  scratch.data());
       }
     for (index_t i = 0; i < nr; ++i) {
       const KeyRange r = mask.row(b, t0 + i);
       const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
       for (index_t m = 0; m < M; ++m) {
-        A* row = Pp + m * hs + i * ld;
+        A* row = Pp + m * hs + i * ld;  // column s - base holds key s
         if (ve > vb) {
-          Segment<A> p(row + vb, ve - vb);
+          Segment<A> p(row + (vb - base), ve - vb);
           p = (p - lse(b, g * M + m, t0 + i)).exp();
         }
-        for (index_t s = c0; s < std::min(vb, c1); ++s) row[s] = A(0);
-        for (index_t s = std::max(ve, c0); s < c1; ++s) row[s] = A(0);
+        for (index_t s = c0; s < std::min(vb, c1); ++s) row[s - base] = A(0);
+        for (index_t s = std::max(ve, c0); s < c1; ++s) row[s - base] = A(0);
       }
     }
     for (index_t m = 0; m < M && w > 0 && !post.on; ++m) {
       const index_t h = g * M + m, hk = h / group_of_kv;
       mutable_rows_of(dv, b, hk, c0, w).noalias() +=
-          ConstTile<A>(Pp + m * hs + c0, nr, w, Eigen::OuterStride<>(ld)).transpose() *
+          ConstTile<A>(Pp + m * hs + (c0 - base), nr, w, Eigen::OuterStride<>(ld)).transpose() *
           rows_of(dout, b, h, t0, nr);
     }
     if (post.on) {
@@ -213,30 +217,30 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         const index_t tw = std::min(kTile, c1 - ts);
         for (index_t cs = ts; cs < ts + tw; cs += kChunk) {
           const int n = int(std::min<index_t>(kChunk, ts + tw - cs));
-          for (index_t i = 0; i < nr; ++i)
-            post_fn(post, post_rows[i], cs, n, Pp + i * ld + cs, hs,
+          for (index_t i = lo; i < hi; ++i)
+            post_fn(post, post_rows[i], cs, n, Pp + i * ld + (cs - base), hs,
                     ptile.data() + i * kTile + (cs - ts), ptile_hs, nullptr, scratch.data());
         }
-        for (index_t m = 0; m < M; ++m) {
+        for (index_t m = 0; m < M && hi > lo; ++m) {
           const index_t h = g * M + m, hk = h / group_of_kv;
           mutable_rows_of(dv, b, hk, ts, tw).noalias() +=
-              ConstTile<A>(ptile.data() + m * ptile_hs, nr, tw, Eigen::OuterStride<>(kTile)).transpose() *
-              rows_of(dout, b, h, t0, nr);
+              ConstTile<A>(ptile.data() + m * ptile_hs + lo * kTile, hi - lo, tw, Eigen::OuterStride<>(kTile)).transpose() *
+              rows_of(dout, b, h, t0 + lo, hi - lo);
         }
       }
       for (index_t cs = c0; cs < c1; cs += kChunk) {
         const int n = int(std::min<index_t>(kChunk, c1 - cs));
-        for (index_t i = 0; i < nr; ++i) {
-          A* gp = dPp + i * ld + cs;
-          post_bwd(post, post_rows[i], cs, n, Pp + i * ld + cs, hs, gp, hs, gp, hs,
+        for (index_t i = lo; i < hi; ++i) {
+          A* gp = dPp + i * ld + (cs - base);
+          post_bwd(post, post_rows[i], cs, n, Pp + i * ld + (cs - base), hs, gp, hs, gp, hs,
                                  my_post_rg[i], ws.post_kg, dw_post, scratch.data());
         }
       }
     }
     for (index_t m = 0; m < M; ++m)
       for (index_t i = 0; i < nr; ++i)
-        my_d[m * Bq + i] = w > 0 ? (Segment<A>(Pp + m * hs + i * ld + c0, w) *
-                                    Segment<A>(dPp + m * hs + i * ld + c0, w)).sum()
+        my_d[m * Bq + i] = w > 0 ? (Segment<A>(Pp + m * hs + i * ld + (c0 - base), w) *
+                                    Segment<A>(dPp + m * hs + i * ld + (c0 - base), w)).sum()
                                  : A(0);
     team.sync();
 
@@ -245,21 +249,21 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       for (index_t i = 0; i < nr; ++i) {
         A Dm = 0;
         for (int j = 0; j < nth; ++j) Dm += ws.d_part[(j * M + m) * Bq + i];
-        Segment<A> dp(dPp + m * hs + i * ld + c0, w);
-        dp = Segment<A>(Pp + m * hs + i * ld + c0, w) * (dp - Dm);
+        Segment<A> dp(dPp + m * hs + i * ld + (c0 - base), w);
+        dp = Segment<A>(Pp + m * hs + i * ld + (c0 - base), w) * (dp - Dm);
       }
     if (pre.on)
       for (index_t cs = c0; cs < c1; cs += kChunk) {
         const int n = int(std::min<index_t>(kChunk, c1 - cs));
-        for (index_t i = 0; i < nr; ++i) {
-          A* gp = dPp + i * ld + cs;
-          pre_bwd(pre, pre_rows[i], cs, n, Lp + i * ld + cs, hs, gp, hs, gp, hs,
+        for (index_t i = lo; i < hi; ++i) {
+          A* gp = dPp + i * ld + (cs - base);
+          pre_bwd(pre, pre_rows[i], cs, n, Lp + i * ld + (cs - base), hs, gp, hs, gp, hs,
                                  my_pre_rg[i], ws.pre_kg, dw_pre, scratch.data());
         }
       }
     for (index_t m = 0; m < M; ++m) {
       const index_t h = g * M + m, hk = h / group_of_kv;
-      ConstTile<A> dL(dPp + m * hs + c0, nr, w, Eigen::OuterStride<>(ld));
+      ConstTile<A> dL(dPp + m * hs + (c0 - base), nr, w, Eigen::OuterStride<>(ld));
       if (w > 0) mutable_rows_of(dk, b, hk, c0, w).noalias() += dL.transpose() * (rows_of(q, b, h, t0, nr) * scale);
       if (nth == 1) {
         // Alone on the group: write straight to the caller's gradient.
@@ -302,10 +306,11 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     team.sync();  // every block of this group has added its key-wise gradients
     store_key_grads(pre, ws.pre_kg, dcw.pre, b, g, s0, s1);
     store_key_grads(post, ws.post_kg, dcw.post, b, g, s0, s1);
+    const index_t kld = pre.ld;  // key-wise arrays: one row of every key per (r, m)
     for (auto* kg : {&ws.pre_kg, &ws.post_kg})
       for (auto* vec : {&kg->kw1, &kg->kw2, &kg->kdd})
-        for (index_t r = 0; r < index_t(vec->size()) / ld; ++r)
-          std::fill(vec->data() + r * ld + s0, vec->data() + r * ld + s1, A(0));
+        for (index_t r = 0; r < index_t(vec->size()) / kld; ++r)
+          std::fill(vec->data() + r * kld + s0, vec->data() + r * kld + s1, A(0));
   }
   team.sync();  // the next group reloads the compose sides
 }
@@ -345,7 +350,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
 #pragma omp parallel num_threads(nt)
     {
       BackwardWorkspace<A> ws;
-      ws.init(d, cw, 1);
+      ws.init(d, mask, cw, 1);
 #pragma omp for schedule(dynamic, 1)
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / (G / groups_per_item), g0 = it % (G / groups_per_item) * groups_per_item;
@@ -362,7 +367,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
     }
   } else {
     BackwardWorkspace<A> ws;
-    ws.init(d, cw, nt);
+    ws.init(d, mask, cw, nt);
 #pragma omp parallel num_threads(nt)
     {
       const Team team{thread_id(), team_size()};

@@ -53,9 +53,14 @@ struct ForwardWorkspace {
   Buffer<A> row_max, row_sum;  // [rank][m][row]
   Buffer<A> o_part;            // [rank][m][row][Dv]
 
-  void init(const detail::AttentionDims& d, int team_size) {
-    ld = padded_stride<A>(d.S);
-    Bq = query_block_rows<A>(d.M, ld, d.T);
+  /// Rows per block and the panel's row stride: the panel holds the keys of one block only.
+  static void layout(const detail::AttentionDims& d, const RowMask& mask, index_t& Bq, index_t& ld) {
+    Bq = query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T);
+    ld = padded_stride<A>(mask.max_block_keys(Bq));
+  }
+
+  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
+    layout(d, mask, Bq, ld);
     hs = padded_stride<A>(Bq * ld);
     panel.assign(d.M * hs, A(0));
     row_max.assign(team_size * d.M * Bq, A(0));
@@ -114,6 +119,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, const ComposeSide
   for (index_t t0 = blk0 * Bq; t0 < std::min(d.T, blk1 * Bq); t0 += Bq) {
     const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
     const KeyRange keys = mask.rows(b, t0, t1);
+    const index_t base = keys.begin;  // panel column 0 holds this key
+    index_t lo, hi;
+    mask.live_rows(b, t0, t1, lo, hi);
     index_t c0, c1;
     split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
     const index_t w = c1 - c0;
@@ -126,15 +134,15 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, const ComposeSide
     for (index_t m = 0; m < M && w > 0; ++m) {
       const index_t h = g * M + m;
       ring.runs(b, c0, c1, [&](index_t s, index_t p, index_t n) {
-        Tile<A> L(panel + m * hs + s, nr, n, Eigen::OuterStride<>(ld));
+        Tile<A> L(panel + m * hs + (s - base), nr, n, Eigen::OuterStride<>(ld));
         L.noalias() = (rows_of(q, b, h, t0, nr) * scale) * rows_of(k, b, h / group_of_kv, p, n).transpose();
       });
     }
     if (pre.on)
       for (index_t cs = c0; cs < c1; cs += kChunk) {
         const int n = int(std::min<index_t>(kChunk, c1 - cs));
-        for (index_t i = 0; i < nr; ++i) {
-          A* p = panel + i * ld + cs;
+        for (index_t i = lo; i < hi; ++i) {
+          A* p = panel + i * ld + (cs - base);
           pre_fn(pre, pre_rows[i], cs, n, p, hs, p, hs, nullptr, scratch.data());
         }
       }
@@ -142,7 +150,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, const ComposeSide
       const KeyRange r = mask.row(b, t0 + i);
       const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
       for (index_t m = 0; m < M; ++m)
-        my_max[m * Bq + i] = ve > vb ? Segment<A>(panel + m * hs + i * ld + vb, ve - vb).maxCoeff() : kNegInf;
+        my_max[m * Bq + i] = ve > vb ? Segment<A>(panel + m * hs + i * ld + (vb - base), ve - vb).maxCoeff() : kNegInf;
     }
     team.sync();
 
@@ -153,15 +161,15 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, const ComposeSide
       for (index_t m = 0; m < M; ++m) {
         A mx = kNegInf;
         for (int j = 0; j < nth; ++j) mx = std::max(mx, ws.row_max[(j * M + m) * Bq + i]);
-        A* row = panel + m * hs + i * ld;
+        A* row = panel + m * hs + i * ld;  // column s - base holds key s
         A sum = 0;
         if (ve > vb) {
-          Segment<A> e(row + vb, ve - vb);
+          Segment<A> e(row + (vb - base), ve - vb);
           e = (e - mx).exp();
           sum = e.sum();
         }
-        for (index_t s = c0; s < std::min(vb, c1); ++s) row[s] = A(0);
-        for (index_t s = std::max(ve, c0); s < c1; ++s) row[s] = A(0);
+        for (index_t s = c0; s < std::min(vb, c1); ++s) row[s - base] = A(0);
+        for (index_t s = std::max(ve, c0); s < c1; ++s) row[s - base] = A(0);
         my_sum[m * Bq + i] = sum;
       }
     }
@@ -179,15 +187,15 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, const ComposeSide
         }
         inv_sum[i * M + m] = l > 0 ? A(1) / l : A(0);
         // With Compose_post on, the normalization is folded into it (its input scale).
-        if (ve > vb && !post.on) Segment<A>(panel + m * hs + i * ld + vb, ve - vb) *= inv_sum[i * M + m];
+        if (ve > vb && !post.on) Segment<A>(panel + m * hs + i * ld + (vb - base), ve - vb) *= inv_sum[i * M + m];
         if (tid == 0 && !lse.empty()) lse(b, g * M + m, t0 + i) = l > 0 ? mx + std::log(l) : kNegInf;
       }
     }
     if (post.on)
       for (index_t cs = c0; cs < c1; cs += kChunk) {
         const int n = int(std::min<index_t>(kChunk, c1 - cs));
-        for (index_t i = 0; i < nr; ++i) {
-          A* p = panel + i * ld + cs;
+        for (index_t i = lo; i < hi; ++i) {
+          A* p = panel + i * ld + (cs - base);
           post_fn(post, post_rows[i], cs, n, p, hs, p, hs, inv_sum.data() + i * M, scratch.data());
         }
       }
@@ -198,7 +206,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, const ComposeSide
                         : Tile<A>(ws.o_part.data() + (tid * M + m) * Bq * Dv, nr, Dv, Eigen::OuterStride<>(Dv));
       O.setZero();
       ring.runs(b, c0, c1, [&](index_t s, index_t p, index_t n) {
-        O.noalias() += ConstTile<A>(panel + m * hs + s, nr, n, Eigen::OuterStride<>(ld)) *
+        O.noalias() += ConstTile<A>(panel + m * hs + (s - base), nr, n, Eigen::OuterStride<>(ld)) *
                        rows_of(v, b, h / group_of_kv, p, n);
       });
     }
@@ -233,7 +241,8 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   const RowMask mask(cfg, d.T, d.S);
   const A scale = default_scale<A>(cfg.scale, d.D);
   const index_t items = d.B * d.G;
-  const index_t Bq = query_block_rows<A>(d.M, padded_stride<A>(d.S), d.T);
+  index_t Bq, ld;
+  ForwardWorkspace<A>::layout(d, mask, Bq, ld);
   const index_t blocks = (d.T + Bq - 1) / Bq;
 
   if (independent_items(items, nt)) {
@@ -241,7 +250,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
 #pragma omp parallel num_threads(nt)
     {
       ForwardWorkspace<A> ws;
-      ws.init(d, 1);
+      ws.init(d, mask, 1);
       ComposeSides<A> sides;
       sides.init(d, cw);
 #pragma omp for schedule(dynamic, 1)
@@ -263,7 +272,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
     {
       const Team team{thread_id(), team_size()};
       ForwardWorkspace<A> ws;
-      ws.init(d, 1);
+      ws.init(d, mask, 1);
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
         sides.load(team, cw, d.S, b, g, ring);
@@ -276,7 +285,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   }
   // Few rows (decoding, short prompts): the whole team shares each block's keys.
   ForwardWorkspace<A> ws;
-  ws.init(d, nt);
+  ws.init(d, mask, nt);
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};

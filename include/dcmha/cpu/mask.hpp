@@ -39,6 +39,26 @@ struct RowMask {
     return {s, std::max(s, e)};
   }
 
+  /// Rows [t0 + lo, t0 + hi) of the block see at least one key; the others (padding rows, rows
+  /// before the first key of causal T > S) lie at its ends. Compose skips them: their
+  /// query-wise terms may hold anything (padding), and their output is zero regardless.
+  void live_rows(index_t b, index_t t0, index_t t1, index_t& lo, index_t& hi) const {
+    lo = t1 - t0;
+    hi = 0;
+    for (index_t t = t0; t < t1; ++t)
+      if (!row(b, t).empty()) {
+        lo = std::min(lo, t - t0);
+        hi = t - t0 + 1;
+      }
+    if (hi < lo) lo = hi = 0;
+  }
+
+  /// The most keys a block of `rows` consecutive query rows can see: a causal window bounds it
+  /// by rows + W - 1 whatever S is, which keeps windowed panels (and so cost) O(W) per row.
+  index_t max_block_keys(index_t rows) const {
+    return causal && window > 0 ? std::min(S, rows + window - 1) : S;
+  }
+
   /// Union of the ranges of rows [t0, t1) (a block is at most a few dozen rows; empty rows,
   /// which causal T > S and padding produce, do not shrink it).
   KeyRange rows(index_t b, index_t t0, index_t t1) const {
