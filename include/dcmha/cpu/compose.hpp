@@ -20,6 +20,16 @@ namespace dcmha::cpu {
 /// vectors stay in L1 while the chunk is applied to every row of a query block.
 constexpr int kChunk = 32;
 
+/// Bytes per vector of the register-blocked compose (compose_simd.hpp): the widest the compiler
+/// was told it may use, so no vector crosses a function boundary in a wider ABI than enabled.
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVectorBytes = 32;
+#else
+constexpr int kVectorBytes = 16;
+#endif
+
 /// One side's compose inputs for one (b, g) in kernel layout.
 template <class A>
 struct ComposeSide {
@@ -165,11 +175,11 @@ inline void compose_chunk(const ComposeSide<A>& c, const ComposeRow<A>& q, index
 }
 
 /// Gradient accumulators of one side's query-wise terms for one row. The vectorized backward
-/// adds 32-byte lane vectors (`lanes`, [term][r][m][lane]) and folds them into the scalars once
+/// adds lane vectors (kVectorBytes each) (`lanes`, [term][r][m][lane]) and folds them into the scalars once
 /// per row, instead of a horizontal sum per chunk.
 template <class A>
 struct ComposeRowGrads {
-  static constexpr index_t kLanes = index_t(32 / sizeof(A));
+  static constexpr index_t kLanes = index_t(kVectorBytes / sizeof(A));
   std::vector<A> qw1, qw2, qdd;  // [r][m], [r][m], [m]
   Buffer<A> lanes;               // qw1 [r][m][lane], then qw2 [r][m][lane], then qdd [m][lane]
   void init(const ComposeSide<A>& c) {

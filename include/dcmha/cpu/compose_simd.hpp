@@ -2,7 +2,7 @@
 // Register-blocked Compose for the common case: no static W, ranks up to 3.
 //
 // compose_chunk (compose.hpp) keeps its hidden vectors in L1 scratch, so every multiply-add
-// also loads and stores its accumulator. Here the 2R hidden vectors of one 32-byte column
+// also loads and stores its accumulator. Here the 2R hidden vectors of one column
 // block stay in registers while the M heads stream through: per head and column block two
 // passes of a few fused multiply-adds, instead of load-FMA-store chains. The ranks are template
 // parameters so the accumulators are plain register variables.
@@ -20,13 +20,13 @@ template <class A>
 struct Simd;
 template <>
 struct Simd<float> {
-  typedef float V __attribute__((vector_size(32)));
-  static constexpr int L = 8;
+  typedef float V __attribute__((vector_size(kVectorBytes)));
+  static constexpr int L = kVectorBytes / 4;
 };
 template <>
 struct Simd<double> {
-  typedef double V __attribute__((vector_size(32)));
-  static constexpr int L = 4;
+  typedef double V __attribute__((vector_size(kVectorBytes)));
+  static constexpr int L = kVectorBytes / 8;
 };
 
 template <class A>
