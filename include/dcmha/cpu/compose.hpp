@@ -66,14 +66,17 @@ struct ComposeSide {
         for (index_t n = 0; n < M; ++n) w[m * M + n] = A(c.w(g, m, n));
     if (has_k)
       for (index_t s = s0; s < s1; ++s) {
+        // Plain pointer walks: this gather runs for every key of every decode step.
         const index_t p = ring.slot(b, s);
-        for (index_t m = 0; m < M; ++m) {
-          for (index_t r = 0; r < Rk; ++r) {
-            kw1[(r * M + m) * ld + s] = A(c.kw1(b, p, g, r, m));
-            kw2[(r * M + m) * ld + s] = A(c.kw2(b, p, g, r, m));
+        const T* k1 = c.kw1.data + b * c.kw1.stride[0] + p * c.kw1.stride[1] + g * c.kw1.stride[2];
+        const T* k2 = c.kw2.data + b * c.kw2.stride[0] + p * c.kw2.stride[1] + g * c.kw2.stride[2];
+        const T* kd = c.kdd.data + b * c.kdd.stride[0] + p * c.kdd.stride[1] + g * c.kdd.stride[2];
+        for (index_t r = 0; r < Rk; ++r)
+          for (index_t m = 0; m < M; ++m) {
+            kw1[(r * M + m) * ld + s] = A(k1[r * c.kw1.stride[3] + m * c.kw1.stride[4]]);
+            kw2[(r * M + m) * ld + s] = A(k2[r * c.kw2.stride[3] + m * c.kw2.stride[4]]);
           }
-          kdd[m * ld + s] = A(c.kdd(b, p, g, m));
-        }
+        for (index_t m = 0; m < M; ++m) kdd[m * ld + s] = A(kd[m * c.kdd.stride[3]]);
       }
   }
 
