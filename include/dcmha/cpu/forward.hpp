@@ -94,9 +94,26 @@ struct ComposeSides {
   }
 };
 
+/// One thread's per-row state, allocated once per call and thread: the query-blocks mode calls
+/// forward_blocks once per block.
+template <class A>
+struct ForwardRows {
+  std::vector<ComposeRow<A>> pre, post;  // query-wise terms of each row of a block
+  Buffer<A> scratch;
+  Buffer<A> inv_sum;  // [row][m]: 1 / softmax denominator
+
+  ForwardRows(const ComposeSides<A>& sides, index_t Bq, index_t M) : pre(Bq), post(Bq) {
+    for (auto& r : pre) r.init(sides.pre);
+    for (auto& r : post) r.init(sides.post);
+    scratch.assign(std::max(sides.pre.scratch_size(), sides.post.scratch_size()), A(0));
+    inv_sum.assign(Bq * M, A(0));
+  }
+};
+
 /// Query blocks [blk0, blk1) of one (batch, group), the keys of each shared across the team.
 template <class T, class A>
-void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, const ComposeSides<A>& sides,
+void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& rows,
+                    const ComposeSides<A>& sides,
                     const RowMask& mask, A scale, const detail::AttentionDims& d, index_t b,
                     index_t g, index_t blk0, index_t blk1, TensorView<const T, 4> q,
                     TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,
@@ -109,11 +126,10 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, const ComposeSide
   A* panel = ws.panel.data();
   constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 
-  std::vector<ComposeRow<A>> pre_rows(Bq), post_rows(Bq);
-  for (auto& r : pre_rows) r.init(pre);
-  for (auto& r : post_rows) r.init(post);
-  Buffer<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
-  Buffer<A> inv_sum(Bq * M);  // [row][m]: 1 / softmax denominator
+  std::vector<ComposeRow<A>>& pre_rows = rows.pre;
+  std::vector<ComposeRow<A>>& post_rows = rows.post;
+  Buffer<A>& scratch = rows.scratch;
+  Buffer<A>& inv_sum = rows.inv_sum;
   const ComposeFn<A> pre_fn(pre), post_fn(post);
   A* my_max = ws.row_max.data() + tid * M * Bq;
   A* my_sum = ws.row_sum.data() + tid * M * Bq;
@@ -255,11 +271,12 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
       ws.init(d, mask, 1);
       ComposeSides<A> sides;
       sides.init(d, cw);
+      ForwardRows<A> rows(sides, ws.Bq, d.M);
 #pragma omp for schedule(dynamic, 1)
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
         sides.load(Team{0, 1}, cw, d.S, b, g, ring);
-        forward_blocks(Team{0, 1}, ws, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
+        forward_blocks(Team{0, 1}, ws, rows, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
       }
     }
     return;
@@ -275,12 +292,13 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
       const Team team{thread_id(), team_size()};
       ForwardWorkspace<A> ws;
       ws.init(d, mask, 1);
+      ForwardRows<A> rows(sides, ws.Bq, d.M);
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
         sides.load(team, cw, d.S, b, g, ring);
 #pragma omp for schedule(dynamic, 1)
         for (index_t blk = blocks - 1; blk >= 0; --blk)
-          forward_blocks(Team{0, 1}, ws, sides, mask, scale, d, b, g, blk, blk + 1, q, k, v, out, lse, cw, ring);
+          forward_blocks(Team{0, 1}, ws, rows, sides, mask, scale, d, b, g, blk, blk + 1, q, k, v, out, lse, cw, ring);
       }
     }
     return;
@@ -291,10 +309,11 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};
+    ForwardRows<A> rows(sides, ws.Bq, d.M);
     for (index_t it = 0; it < items; ++it) {
       const index_t b = it / d.G, g = it % d.G;
       sides.load(team, cw, d.S, b, g, ring);
-      forward_blocks(team, ws, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
+      forward_blocks(team, ws, rows, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
       team.sync();  // the next item reloads the shared compose inputs
     }
   }
