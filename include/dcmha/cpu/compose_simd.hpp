@@ -10,35 +10,11 @@
 #include <utility>
 
 #include "compose.hpp"
+#include "simd.hpp"
 
 namespace dcmha::cpu {
 
-#if defined(__GNUC__)
-#define DCMHA_HAS_VECTOR_EXTENSIONS 1
-
-template <class A>
-struct Simd;
-template <>
-struct Simd<float> {
-  typedef float V __attribute__((vector_size(kVectorBytes)));
-  static constexpr int L = kVectorBytes / 4;
-};
-template <>
-struct Simd<double> {
-  typedef double V __attribute__((vector_size(kVectorBytes)));
-  static constexpr int L = kVectorBytes / 8;
-};
-
-template <class A>
-inline typename Simd<A>::V vload(const A* p) {
-  typename Simd<A>::V v;
-  std::memcpy(&v, p, sizeof(v));  // unaligned; compiles to one vector load
-  return v;
-}
-template <class A>
-inline void vstore(A* p, const typename Simd<A>::V& v) {
-  std::memcpy(p, &v, sizeof(v));
-}
+#if defined(DCMHA_HAS_VECTOR_EXTENSIONS)
 
 /// Compose on one row chunk like compose_chunk, for sides without static W and with Rq, Rk equal
 /// to the template ranks (0 = term off). Column blocks of Simd<A>::L keys; the tail goes through

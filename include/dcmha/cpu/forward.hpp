@@ -23,6 +23,7 @@
 #include "../tensor.hpp"
 #include "compose.hpp"
 #include "compose_simd.hpp"
+#include "gemm.hpp"
 #include "mask.hpp"
 #include "parallel.hpp"
 #include "tile.hpp"
@@ -30,15 +31,15 @@
 namespace dcmha::cpu {
 
 /// Rows per query block: as many as keep `panels` panels (each M x Bq x S values) within
-/// `budget` bytes, between 32 and 64. The budget trades the matrix products' efficiency (more
-/// rows per product) against memory and cache footprint; below 32 rows, packing each key
-/// block for the products costs more than the products (measured: 4x slower at Bq = 8), so
-/// long sequences get panels over budget, still O(S) per thread.
+/// `budget` bytes, between 32 and `max_rows`. More rows per block means fewer passes over K and V
+/// (each block reads all of its keys for all M heads, from DRAM once M x S x D outgrows the cache)
+/// and better reuse of each packed key tile; below 32 rows packing costs more than the products
+/// (measured: 4x slower at Bq = 8), so long sequences get panels over budget, still O(S) per thread.
 template <class A>
 inline index_t query_block_rows(index_t M, index_t ld, index_t T, index_t panels = 1,
-                                index_t budget = index_t(16) << 20) {
+                                index_t budget = index_t(16) << 20, index_t max_rows = 64) {
   index_t rows = budget / index_t(sizeof(A)) / std::max<index_t>(panels * M * ld, 1);
-  rows = std::max<index_t>(32, std::min<index_t>(64, rows / 8 * 8));
+  rows = std::max<index_t>(32, std::min<index_t>(max_rows, rows / 8 * 8));
   return std::min(rows, T);
 }
 
@@ -50,19 +51,26 @@ inline A default_scale(double scale, index_t D) {
 /// Buffers one team shares while it works on one (batch, group).
 template <class A>
 struct ForwardWorkspace {
-  index_t Bq = 0, ld = 0, hs = 0;
+  index_t Bq = 0, ld = 0, hs = 0, tile = 0;
   Buffer<A> panel;             // [m][row][key]
   Buffer<A> row_max, row_sum;  // [rank][m][row]
   Buffer<A> o_part;            // [rank][m][row][Dv]
 
-  /// Rows per block and the panel's row stride: the panel holds the keys of one block only.
-  static void layout(const detail::AttentionDims& d, const RowMask& mask, index_t& Bq, index_t& ld) {
-    Bq = query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T);
+  /// Rows per block, the panel's row stride (the panel holds the keys of one block only) and the
+  /// keys per tile of the two passes: a tile's slice of the panel, M x Bq x tile values, is
+  /// produced and consumed while it is still in L2 (1 MiB of it). Sweeping the whole panel
+  /// once per step instead made DCMHA memory-bound (tens of MiB at M = 32).
+  static void layout(const detail::AttentionDims& d, const RowMask& mask, index_t& Bq, index_t& ld,
+                     index_t& tile) {
+    Bq = query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1,
+                             index_t(64) << 20, 64);
     ld = padded_stride<A>(mask.max_block_keys(Bq));
+    const index_t fit = (index_t(1024) << 10) / index_t(sizeof(A)) / (d.M * Bq);
+    tile = std::max<index_t>(32, std::min<index_t>(256, fit / 32 * 32));
   }
 
   void init(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
-    layout(d, mask, Bq, ld);
+    layout(d, mask, Bq, ld, tile);
     hs = padded_stride<A>(Bq * ld);
     panel.assign(d.M * hs, A(0));
     row_max.assign(team_size * d.M * Bq, A(0));
@@ -100,17 +108,32 @@ template <class A>
 struct ForwardRows {
   std::vector<ComposeRow<A>> pre, post;  // query-wise terms of each row of a block
   Buffer<A> scratch;
-  Buffer<A> inv_sum;  // [row][m]: 1 / softmax denominator
+  Buffer<A> inv_sum;   // [row][m]: 1 / softmax denominator
+  Buffer<A> final_max; // [row][m]: the row maximum over all of its keys
+  Buffer<A> tile_max;  // [tile][m][row]: the running maximum tile's exponentials were taken at
+  Buffer<A> scale;     // [row][m]: what turns one tile's exponentials into probabilities
+  Buffer<A> kt;        // one key tile of K (transposed, scaled) or of V, packed contiguous
 
-  ForwardRows(const ComposeSides<A>& sides, index_t Bq, index_t M) : pre(Bq), post(Bq) {
+  ForwardRows(const ComposeSides<A>& sides, index_t Bq, index_t M, index_t ld, index_t D, index_t Dv, index_t tile)
+      : pre(Bq), post(Bq) {
     for (auto& r : pre) r.init(sides.pre);
     for (auto& r : post) r.init(sides.post);
     scratch.assign(std::max(sides.pre.scratch_size(), sides.post.scratch_size()), A(0));
     inv_sum.assign(Bq * M, A(0));
+    final_max.assign(Bq * M, A(0));
+    tile_max.assign((ld / tile + 2) * M * Bq, A(0));
+    scale.assign(Bq * M, A(0));
+    kt.assign(std::max(D, Dv) * tile, A(0));
   }
 };
 
 /// Query blocks [blk0, blk1) of one (batch, group), the keys of each shared across the team.
+///
+/// Two passes over key tiles. Pass 1: scores, Compose_pre, and an online softmax: each tile's
+/// exponentials are taken against the row's running maximum, which is remembered per tile.
+/// Pass 2, once the row statistics are final (combined across the team): one factor per tile,
+/// row and head, exp(tile max - row max) / sum, turns the stored exponentials into P (folded into
+/// Compose_post's input scale), then P'V. Each panel value is written once and read once.
 template <class T, class A>
 void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& rows,
                     const ComposeSides<A>& sides,
@@ -128,8 +151,12 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
 
   std::vector<ComposeRow<A>>& pre_rows = rows.pre;
   std::vector<ComposeRow<A>>& post_rows = rows.post;
-  Buffer<A>& scratch = rows.scratch;
-  Buffer<A>& inv_sum = rows.inv_sum;
+  A* scratch = rows.scratch.data();
+  A* inv_sum = rows.inv_sum.data();
+  A* final_max = rows.final_max.data();
+  A* tile_max = rows.tile_max.data();
+  A* tile_scale = rows.scale.data();
+  A* kt = rows.kt.data();
   const ComposeFn<A> pre_fn(pre), post_fn(post);
   A* my_max = ws.row_max.data() + tid * M * Bq;
   A* my_sum = ws.row_sum.data() + tid * M * Bq;
@@ -142,96 +169,117 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     mask.live_rows(b, t0, t1, lo, hi);
     index_t c0, c1;
     split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
-    const index_t w = c1 - c0;
     for (index_t i = 0; i < nr; ++i) {
       pre_rows[i].load(pre, cw.pre, b, t0 + i, g);
       post_rows[i].load(post, cw.post, b, t0 + i, g);
     }
-
-    // A: scores, Compose_pre, this thread's share of each row's maximum.
-    for (index_t m = 0; m < M && w > 0; ++m) {
-      const index_t h = g * M + m;
-      ring.runs(b, c0, c1, [&](index_t s, index_t p, index_t n) {
-        Tile<A> L(panel + m * hs + (s - base), nr, n, Eigen::OuterStride<>(ld));
-        L.noalias() = (rows_of(q, b, h, t0, nr) * scale) * rows_of(k, b, h / group_of_kv, p, n).transpose();
-      });
+    for (index_t j = 0; j < M * Bq; ++j) {
+      my_max[j] = kNegInf;
+      my_sum[j] = A(0);
     }
-    if (pre.on)
-      for (index_t cs = c0; cs < c1; cs += kChunk) {
-        const int n = int(std::min<index_t>(kChunk, c1 - cs));
-        for (index_t i = lo; i < hi; ++i) {
-          A* p = panel + i * ld + (cs - base);
-          pre_fn(pre, pre_rows[i], cs, n, p, hs, p, hs, nullptr, scratch.data());
+
+    // Pass 1: scores, Compose_pre, exponentials against the running maximum.
+    for (index_t cs = c0, tile = 0; cs < c1; cs += ws.tile, ++tile) {
+      const index_t ce = std::min(c1, cs + ws.tile);
+      for (index_t m = 0; m < M; ++m) {
+        const index_t h = g * M + m;
+        ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
+          pack_transposed<A>(n, d.D, row_ptr(k, b, h / group_of_kv, p), k.stride[2], scale, kt, ws.tile);
+          gemm_nn<A>(nr, n, d.D, row_ptr(q, b, h, t0), q.stride[2], 1, kt, ws.tile,
+                     panel + m * hs + (s - base), ld, false);
+        });
+      }
+      if (pre.on)
+        for (index_t s = cs; s < ce; s += kChunk) {
+          const int n = int(std::min<index_t>(kChunk, ce - s));
+          for (index_t i = lo; i < hi; ++i) {
+            A* p = panel + i * ld + (s - base);
+            pre_fn(pre, pre_rows[i], s, n, p, hs, p, hs, nullptr, scratch);
+          }
+        }
+      A* tmax = tile_max + tile * M * Bq;
+      for (index_t i = 0; i < nr; ++i) {
+        const KeyRange r = mask.row(b, t0 + i);
+        const index_t vb = std::max(r.begin, cs), ve = std::min(r.end, ce);
+        for (index_t m = 0; m < M; ++m) {
+          A* row = panel + m * hs + i * ld - base;  // row[s] holds key s
+          A& mx = my_max[m * Bq + i];
+          if (ve > vb) {
+            Segment<A> e(row + vb, ve - vb);
+            const A new_max = std::max(mx, e.maxCoeff());
+            // Rescale the sum so far; mx = -inf means there is none yet (and exp would give NaN).
+            A& sum = my_sum[m * Bq + i];
+            if (mx != kNegInf && new_max != mx) sum *= std::exp(mx - new_max);
+            mx = new_max;
+            e = (e - mx).exp();
+            sum += e.sum();
+          }
+          tmax[m * Bq + i] = mx;
+          // Keys of the tile this row does not see are exactly 0, for Compose_post and P'V.
+          for (index_t s = cs; s < std::min(vb, ce); ++s) row[s] = A(0);
+          for (index_t s = std::max(ve, cs); s < ce; ++s) row[s] = A(0);
         }
       }
-    for (index_t i = 0; i < nr; ++i) {
-      const KeyRange r = mask.row(b, t0 + i);
-      const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
-      for (index_t m = 0; m < M; ++m)
-        my_max[m * Bq + i] = ve > vb ? Segment<A>(panel + m * hs + i * ld + (vb - base), ve - vb).maxCoeff() : kNegInf;
     }
     team.sync();
 
-    // B: exponentials against the row maximum; masked keys become exactly 0.
-    for (index_t i = 0; i < nr; ++i) {
-      const KeyRange r = mask.row(b, t0 + i);
-      const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
+    // Row statistics over the whole team: final maximum and 1 / sum.
+    for (index_t i = 0; i < nr; ++i)
       for (index_t m = 0; m < M; ++m) {
         A mx = kNegInf;
         for (int j = 0; j < nth; ++j) mx = std::max(mx, ws.row_max[(j * M + m) * Bq + i]);
-        A* row = panel + m * hs + i * ld;  // column s - base holds key s
-        A sum = 0;
-        if (ve > vb) {
-          Segment<A> e(row + (vb - base), ve - vb);
-          e = (e - mx).exp();
-          sum = e.sum();
-        }
-        for (index_t s = c0; s < std::min(vb, c1); ++s) row[s - base] = A(0);
-        for (index_t s = std::max(ve, c0); s < c1; ++s) row[s - base] = A(0);
-        my_sum[m * Bq + i] = sum;
-      }
-    }
-    team.sync();
-
-    // C: normalize, Compose_post, this thread's share of P' V.
-    for (index_t i = 0; i < nr; ++i) {
-      const KeyRange r = mask.row(b, t0 + i);
-      const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
-      for (index_t m = 0; m < M; ++m) {
-        A l = 0, mx = kNegInf;
+        A l = 0;
         for (int j = 0; j < nth; ++j) {
-          l += ws.row_sum[(j * M + m) * Bq + i];
-          mx = std::max(mx, ws.row_max[(j * M + m) * Bq + i]);
+          const A mj = ws.row_max[(j * M + m) * Bq + i];
+          if (mj != kNegInf) l += ws.row_sum[(j * M + m) * Bq + i] * std::exp(mj - mx);
         }
         inv_sum[i * M + m] = l > 0 ? A(1) / l : A(0);
-        // With Compose_post on, the normalization is folded into it (its input scale).
-        if (ve > vb && !post.on) Segment<A>(panel + m * hs + i * ld + (vb - base), ve - vb) *= inv_sum[i * M + m];
         if (tid == 0 && !lse.empty()) lse(b, g * M + m, t0 + i) = l > 0 ? mx + std::log(l) : kNegInf;
+        final_max[i * M + m] = mx;
       }
-    }
-    if (post.on)
-      for (index_t cs = c0; cs < c1; cs += kChunk) {
-        const int n = int(std::min<index_t>(kChunk, c1 - cs));
-        for (index_t i = lo; i < hi; ++i) {
-          A* p = panel + i * ld + (cs - base);
-          post_fn(post, post_rows[i], cs, n, p, hs, p, hs, inv_sum.data() + i * M, scratch.data());
-        }
-      }
+
+    // Pass 2: tile factors, Compose_post, P'V.
     for (index_t m = 0; m < M; ++m) {
-      const index_t h = g * M + m;
-      // Alone on the group, a thread writes straight to the caller's output.
-      auto O = nth == 1 ? mutable_rows_of(out, b, h, t0, nr)
+      auto O = nth == 1 ? mutable_rows_of(out, b, g * M + m, t0, nr)
                         : Tile<A>(ws.o_part.data() + (tid * M + m) * Bq * Dv, nr, Dv, Eigen::OuterStride<>(Dv));
       O.setZero();
-      ring.runs(b, c0, c1, [&](index_t s, index_t p, index_t n) {
-        O.noalias() += ConstTile<A>(panel + m * hs + (s - base), nr, n, Eigen::OuterStride<>(ld)) *
-                       rows_of(v, b, h / group_of_kv, p, n);
-      });
+    }
+    for (index_t cs = c0, tile = 0; cs < c1; cs += ws.tile, ++tile) {
+      const index_t ce = std::min(c1, cs + ws.tile);
+      const A* tmax = tile_max + tile * M * Bq;
+      for (index_t i = 0; i < nr; ++i)
+        for (index_t m = 0; m < M; ++m) {
+          const A tm = tmax[m * Bq + i];
+          tile_scale[i * M + m] = tm == kNegInf ? A(0) : std::exp(tm - final_max[i * M + m]) * inv_sum[i * M + m];
+        }
+      if (post.on) {
+        for (index_t s = cs; s < ce; s += kChunk) {
+          const int n = int(std::min<index_t>(kChunk, ce - s));
+          for (index_t i = lo; i < hi; ++i) {
+            A* p = panel + i * ld + (s - base);
+            post_fn(post, post_rows[i], s, n, p, hs, p, hs, tile_scale + i * M, scratch);
+          }
+        }
+      } else {
+        for (index_t i = 0; i < nr; ++i)
+          for (index_t m = 0; m < M; ++m)
+            Segment<A>(panel + m * hs + i * ld + (cs - base), ce - cs) *= tile_scale[i * M + m];
+      }
+      for (index_t m = 0; m < M; ++m) {
+        const index_t h = g * M + m;
+        // Alone on the group, a thread accumulates straight into the caller's output.
+        A* O = nth == 1 ? row_ptr(out, b, h, t0) : ws.o_part.data() + (tid * M + m) * Bq * Dv;
+        const index_t ldo = nth == 1 ? out.stride[2] : Dv;
+        ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
+          pack_rows<A>(n, Dv, row_ptr(v, b, h / group_of_kv, p), v.stride[2], kt, Dv);
+          gemm_nn<A>(nr, Dv, n, panel + m * hs + (s - base), ld, 1, kt, Dv, O, ldo, true);
+        });
+      }
     }
     if (nth == 1) continue;
     team.sync();
 
-    // D: sum the partial outputs in thread order; each thread writes a share of the rows.
+    // Sum the partial outputs in thread order; each thread writes a share of the rows.
     index_t r0, r1;
     split_range(0, nr, tid, nth, 1, r0, r1);
     for (index_t m = 0; m < M; ++m) {
@@ -259,8 +307,8 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   const RowMask mask(cfg, d.T, d.S);
   const A scale = default_scale<A>(cfg.scale, d.D);
   const index_t items = d.B * d.G;
-  index_t Bq, ld;
-  ForwardWorkspace<A>::layout(d, mask, Bq, ld);
+  index_t Bq, ld, tile;
+  ForwardWorkspace<A>::layout(d, mask, Bq, ld, tile);
   const index_t blocks = (d.T + Bq - 1) / Bq;
 
   if (independent_items(items, nt)) {
@@ -271,7 +319,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
       ws.init(d, mask, 1);
       ComposeSides<A> sides;
       sides.init(d, cw);
-      ForwardRows<A> rows(sides, ws.Bq, d.M);
+      ForwardRows<A> rows(sides, ws.Bq, d.M, ws.ld, d.D, d.Dv, ws.tile);
 #pragma omp for schedule(dynamic, 1)
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
@@ -292,7 +340,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
       const Team team{thread_id(), team_size()};
       ForwardWorkspace<A> ws;
       ws.init(d, mask, 1);
-      ForwardRows<A> rows(sides, ws.Bq, d.M);
+      ForwardRows<A> rows(sides, ws.Bq, d.M, ws.ld, d.D, d.Dv, ws.tile);
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
         sides.load(team, cw, d.S, b, g, ring);
@@ -309,7 +357,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};
-    ForwardRows<A> rows(sides, ws.Bq, d.M);
+    ForwardRows<A> rows(sides, ws.Bq, d.M, ws.ld, d.D, d.Dv, ws.tile);
     for (index_t it = 0; it < items; ++it) {
       const index_t b = it / d.G, g = it % d.G;
       sides.load(team, cw, d.S, b, g, ring);

@@ -33,6 +33,12 @@ inline Tile<S> mutable_rows_of(const TensorView<S, 4>& x, index_t b, index_t h, 
                  Eigen::OuterStride<>(x.stride[2]));
 }
 
+/// Address of row t of head h of batch b of a (B, heads, len, dim) view.
+template <class S>
+inline S* row_ptr(const TensorView<S, 4>& x, index_t b, index_t h, index_t t) {
+  return x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2];
+}
+
 /// Kernel workspace. Eigen's vectorized reductions (sum, maxCoeff) start their packets at the
 /// first aligned element, so their summation order depends on the address: buffers with a fixed
 /// alignment keep results bitwise reproducible from call to call.

@@ -1,0 +1,163 @@
+#pragma once
+// The attention kernels' tile products, register-blocked, straight on caller memory.
+//
+// Why not Eigen's GEMM here: it packs both operands into contiguous panels on every call. For
+// attention tiles (depth D = 64..128, a few dozen rows) that packing is a strided gather of K or V
+// whose cost is a fixed fraction of the product: measured 20% of the whole forward at
+// H32/T2048/D128, and it made small key tiles (which keep a DCMHA panel slice in L2) 1.6x
+// slower. One kernel serves all products: gemm_nn, C (+)= A B with B's rows contiguous and A's
+// elements broadcast, so A may have any strides (P'V, dS K, and read transposed P'^T dO, dS^T Q).
+// The A B^T products (scores Q K^T, dP' = dO V^T) first transpose one key tile of B into a small
+// buffer (pack_transposed), which the tile's Bq query rows then share.
+// Without vector extensions gemm_nn falls back to plain loops (correct, slow).
+#include <algorithm>
+#include <type_traits>
+
+#include "../tensor.hpp"
+#include "simd.hpp"
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+namespace dcmha::cpu {
+
+namespace detail_gemm {
+
+#ifdef DCMHA_HAS_VECTOR_EXTENSIONS
+/// Column blocks of C (+)= A B, RB rows x CB vectors; A(i, k) = a[i * ars + k * acs].
+template <class A, int RB, int CB>
+inline void nn_block(index_t depth, const A* a, index_t ars, index_t acs, const A* b, index_t ldb,
+                     A* c, index_t ldc, bool accumulate) {
+  using V = typename Simd<A>::V;
+  constexpr int L = Simd<A>::L;
+  V acc[RB][CB];
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < CB; ++j) acc[r][j] = accumulate ? vload(c + r * ldc + j * L) : V{};
+  for (index_t k = 0; k < depth; ++k) {
+    V bv[CB];
+    for (int j = 0; j < CB; ++j) bv[j] = vload(b + k * ldb + j * L);
+    for (int r = 0; r < RB; ++r) {
+      const V av = a[r * ars + k * acs] - V{};  // a broadcast (x - 0 is exact, so no add is emitted)
+      for (int j = 0; j < CB; ++j) acc[r][j] += av * bv[j];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < CB; ++j) vstore(c + r * ldc + j * L, acc[r][j]);
+}
+
+// Register budget: RB x CB accumulators + CB loads + one broadcast within 16 (AVX2) or 32
+// (AVX-512) vector registers.
+constexpr int kNnRows = 6;
+constexpr int kNnCols = kVectorBytes == 64 ? 4 : 2;
+
+/// Rows [0, rows) of C over columns [j, j + CB * L): row blocks of kNnRows, then the rest.
+template <class A, int CB>
+inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index_t acs, const A* b,
+                     index_t ldb, A* c, index_t ldc, bool accumulate) {
+  constexpr int RB = kNnRows;
+  index_t i = 0;
+  for (; i + RB <= rows; i += RB)
+    nn_block<A, RB, CB>(depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc, accumulate);
+  const A* ai = a + i * ars;
+  A* ci = c + i * ldc;
+  switch (rows - i) {
+    case 5: nn_block<A, 5, CB>(depth, ai, ars, acs, b, ldb, ci, ldc, accumulate); break;
+    case 4: nn_block<A, 4, CB>(depth, ai, ars, acs, b, ldb, ci, ldc, accumulate); break;
+    case 3: nn_block<A, 3, CB>(depth, ai, ars, acs, b, ldb, ci, ldc, accumulate); break;
+    case 2: nn_block<A, 2, CB>(depth, ai, ars, acs, b, ldb, ci, ldc, accumulate); break;
+    case 1: nn_block<A, 1, CB>(depth, ai, ars, acs, b, ldb, ci, ldc, accumulate); break;
+    default: break;
+  }
+}
+#endif
+
+}  // namespace detail_gemm
+
+/// bt[d][j] = alpha * b[j][d] for j < n, d < depth: B^T with row stride ldt, so that C = A B^T
+/// becomes the broadcast-A product gemm_nn. Packing one key tile costs 1/rows of the product it
+/// feeds (one transpose per element against `rows` multiply-adds); dot products along the depth
+/// instead need a horizontal reduction per output and two loads per multiply-add (measured 33
+/// against 54 GFLOP/s for gemm_nn on one core).
+template <class A>
+void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha, A* bt, index_t ldt) {
+  index_t j = 0;
+#if defined(__AVX__)
+  if constexpr (std::is_same_v<A, float>) {
+    for (; j + 8 <= n; j += 8) {
+      index_t d = 0;
+      for (; d + 8 <= depth; d += 8) {
+        const __m256 s = _mm256_set1_ps(alpha);
+        __m256 r[8], t[8];
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_mul_ps(_mm256_loadu_ps(b + (j + i) * ldb + d), s);
+        for (int i = 0; i < 4; ++i) {
+          t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+          t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        for (int i = 0; i < 2; ++i)
+          for (int h = 0; h < 2; ++h) {
+            r[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0x44);
+            r[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0xEE);
+          }
+        // r[0..3]: columns 0,1,4,5 / 2,3,6,7 interleaved by 128-bit lane; recombine the lanes.
+        for (int q = 0; q < 4; ++q) {
+          _mm256_storeu_ps(bt + (d + q) * ldt + j, _mm256_permute2f128_ps(r[q], r[4 + q], 0x20));
+          _mm256_storeu_ps(bt + (d + 4 + q) * ldt + j, _mm256_permute2f128_ps(r[q], r[4 + q], 0x31));
+        }
+      }
+      for (; d < depth; ++d)
+        for (index_t i = 0; i < 8; ++i) bt[d * ldt + j + i] = alpha * b[(j + i) * ldb + d];
+    }
+  }
+#endif
+  for (; j < n; ++j)
+    for (index_t d = 0; d < depth; ++d) bt[d * ldt + j] = alpha * b[j * ldb + d];
+}
+
+/// dst[j][:] = src[j][:] for j < n rows of `cols` values: one key tile of V (or Q, dO) packed
+/// contiguous. Caller rows are often far apart (the (B, T, H, D) layout puts 16 KiB between the
+/// rows of one head at H32/D128), one page each: read in place by every row block of a product,
+/// they missed the TLB on most loads (measured: 30% of the forward's time on one load).
+template <class A>
+void pack_rows(index_t n, index_t cols, const A* src, index_t lds, A* dst, index_t ldd) {
+  for (index_t j = 0; j < n; ++j) std::copy(src + j * lds, src + j * lds + cols, dst + j * ldd);
+}
+
+/// C[i][:] (+)= sum_k A(i, k) B[k][:] for i < rows, over `depth` rows of B (row stride ldb, ncol
+/// contiguous columns); A(i, k) = a[i * ars + k * acs], so A may be read transposed. C is
+/// overwritten unless `accumulate`.
+template <class A>
+void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
+             const A* b, index_t ldb, A* c, index_t ldc, bool accumulate) {
+  if (rows <= 0 || ncol <= 0) return;
+  if (depth <= 0) {
+    if (!accumulate)
+      for (index_t i = 0; i < rows; ++i) std::fill(c + i * ldc, c + i * ldc + ncol, A(0));
+    return;
+  }
+#ifdef DCMHA_HAS_VECTOR_EXTENSIONS
+  using namespace detail_gemm;
+  constexpr int L = Simd<A>::L;
+  // Column strips outer: a strip of B (depth x CB vectors, 8 KiB at depth 128) stays in L1 while
+  // every row block of A passes over it.
+  index_t j = 0;
+  for (; j + kNnCols * L <= ncol; j += kNnCols * L)
+    nn_strip<A, kNnCols>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, accumulate);
+  for (; j + L <= ncol; j += L) nn_strip<A, 1>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, accumulate);
+  for (; j < ncol; ++j)
+    for (index_t i = 0; i < rows; ++i) {
+      A s = accumulate ? c[i * ldc + j] : A(0);
+      for (index_t k = 0; k < depth; ++k) s += a[i * ars + k * acs] * b[k * ldb + j];
+      c[i * ldc + j] = s;
+    }
+#else
+  for (index_t i = 0; i < rows; ++i)
+    for (index_t j = 0; j < ncol; ++j) {
+      A s = accumulate ? c[i * ldc + j] : A(0);
+      for (index_t k = 0; k < depth; ++k) s += a[i * ars + k * acs] * b[k * ldb + j];
+      c[i * ldc + j] = s;
+    }
+#endif
+}
+
+}  // namespace dcmha::cpu
