@@ -21,6 +21,7 @@
 #include "compose.hpp"
 #include "compose_simd.hpp"
 #include "forward.hpp"
+#include "gemm.hpp"
 #include "mask.hpp"
 #include "parallel.hpp"
 #include "tile.hpp"
@@ -135,6 +136,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   const index_t M = d.M, D = d.D, group_of_kv = d.H / d.Hk;
   const index_t Bq = ws.Bq, ld = ws.ld, hs = ws.hs;
   constexpr index_t kTile = 2 * kChunk;  // keys per P' tile feeding the dV product
+  constexpr index_t kProductTile = 128;  // keys per packed K / V tile of the score products
   ComposeSide<A>& pre = ws.pre;
   ComposeSide<A>& post = ws.post;
   A* Lp = ws.Lp.data();
@@ -149,6 +151,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   const ComposeBackwardFn<A> pre_bwd(pre), post_bwd(post);
   const index_t ptile_hs = padded_stride<A>(Bq * kTile);
   Buffer<A> ptile(post.on ? M * ptile_hs : 0);
+  // Packed operands of the tile products (gemm.hpp): a key tile of K or V, transposed or not,
+  // and this block's rows of Q (scaled) and dO.
+  const index_t DD = std::max(D, d.Dv);
+  Buffer<A> kbuf(DD * kProductTile), qbuf(Bq * D), obuf(Bq * d.Dv), obuf_all(post.on ? M * Bq * d.Dv : 0);
   A* my_d = ws.d_part.data() + tid * M * Bq;
 
   index_t s0, s1;
@@ -181,10 +187,15 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     A* Ls = pre.on ? Lp : Pp;
     for (index_t m = 0; m < M && w > 0; ++m) {
       const index_t h = g * M + m, hk = h / group_of_kv;
-      Tile<A> L(Ls + m * hs + (c0 - base), nr, w, Eigen::OuterStride<>(ld));
-      L.noalias() = (rows_of(q, b, h, t0, nr) * scale) * rows_of(k, b, hk, c0, w).transpose();
-      Tile<A> dPm(dPp + m * hs + (c0 - base), nr, w, Eigen::OuterStride<>(ld));
-      dPm.noalias() = rows_of(dout, b, h, t0, nr) * rows_of(v, b, hk, c0, w).transpose();
+      for (index_t ts = c0; ts < c1; ts += kProductTile) {
+        const index_t tw = std::min(kProductTile, c1 - ts);
+        pack_transposed<A>(tw, D, row_ptr(k, b, hk, ts), k.stride[2], scale, kbuf.data(), kProductTile);
+        gemm_nn<A>(nr, tw, D, row_ptr(q, b, h, t0), q.stride[2], 1, kbuf.data(), kProductTile,
+                   Ls + m * hs + (ts - base), ld, false);
+        pack_transposed<A>(tw, d.Dv, row_ptr(v, b, hk, ts), v.stride[2], A(1), kbuf.data(), kProductTile);
+        gemm_nn<A>(nr, tw, d.Dv, row_ptr(dout, b, h, t0), dout.stride[2], 1, kbuf.data(), kProductTile,
+                   dPp + m * hs + (ts - base), ld, false);
+      }
     }
     if (pre.on)
       for (index_t cs = c0; cs < c1; cs += kChunk) {
@@ -208,9 +219,9 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     }
     for (index_t m = 0; m < M && w > 0 && !post.on; ++m) {
       const index_t h = g * M + m, hk = h / group_of_kv;
-      mutable_rows_of(dv, b, hk, c0, w).noalias() +=
-          ConstTile<A>(Pp + m * hs + (c0 - base), nr, w, Eigen::OuterStride<>(ld)).transpose() *
-          rows_of(dout, b, h, t0, nr);
+      pack_rows<A>(nr, d.Dv, row_ptr(dout, b, h, t0), dout.stride[2], obuf.data(), d.Dv);
+      gemm_nn<A>(w, d.Dv, nr, Pp + m * hs + (c0 - base), 1, ld, obuf.data(), d.Dv,
+                 row_ptr(dv, b, hk, c0), dv.stride[2], true);
     }
     if (post.on) {
       for (index_t ts = c0; ts < c1; ts += kTile) {
@@ -223,9 +234,11 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         }
         for (index_t m = 0; m < M && hi > lo; ++m) {
           const index_t h = g * M + m, hk = h / group_of_kv;
-          mutable_rows_of(dv, b, hk, ts, tw).noalias() +=
-              ConstTile<A>(ptile.data() + m * ptile_hs + lo * kTile, hi - lo, tw, Eigen::OuterStride<>(kTile)).transpose() *
-              rows_of(dout, b, h, t0 + lo, hi - lo);
+          // dO rows of this head, packed once per block and reused by every tile.
+          A* om = obuf_all.data() + m * Bq * d.Dv;
+          if (ts == c0) pack_rows<A>(hi - lo, d.Dv, row_ptr(dout, b, h, t0 + lo), dout.stride[2], om, d.Dv);
+          gemm_nn<A>(tw, d.Dv, hi - lo, ptile.data() + m * ptile_hs + lo * kTile, 1, kTile, om, d.Dv,
+                     row_ptr(dv, b, hk, ts), dv.stride[2], true);
         }
       }
       for (index_t cs = c0; cs < c1; cs += kChunk) {
@@ -263,18 +276,20 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       }
     for (index_t m = 0; m < M; ++m) {
       const index_t h = g * M + m, hk = h / group_of_kv;
-      ConstTile<A> dL(dPp + m * hs + (c0 - base), nr, w, Eigen::OuterStride<>(ld));
-      if (w > 0) mutable_rows_of(dk, b, hk, c0, w).noalias() += dL.transpose() * (rows_of(q, b, h, t0, nr) * scale);
-      if (nth == 1) {
-        // Alone on the group: write straight to the caller's gradient.
-        auto dQ = mutable_rows_of(dq, b, h, t0, nr);
-        if (w > 0) dQ.noalias() = dL * (rows_of(k, b, hk, c0, w) * scale);
-        else dQ.setZero();
-        continue;
+      const A* dL = dPp + m * hs + (c0 - base);
+      if (w > 0) {
+        pack_rows<A>(nr, D, row_ptr(q, b, h, t0), q.stride[2], qbuf.data(), D, scale);
+        gemm_nn<A>(w, D, nr, dL, 1, ld, qbuf.data(), D, row_ptr(dk, b, hk, c0), dk.stride[2], true);
       }
-      Tile<A> dQ(ws.dq_part.data() + (tid * M + m) * Bq * D, nr, D, Eigen::OuterStride<>(D));
-      if (w > 0) dQ.noalias() = dL * (rows_of(k, b, hk, c0, w) * scale);
-      else dQ.setZero();
+      // Alone on the group, a thread writes straight to the caller's gradient.
+      A* dQ = nth == 1 ? row_ptr(dq, b, h, t0) : ws.dq_part.data() + (tid * M + m) * Bq * D;
+      const index_t ldq = nth == 1 ? dq.stride[2] : D;
+      if (w == 0) gemm_nn<A>(nr, D, 0, dL, ld, 1, kbuf.data(), D, dQ, ldq, false);
+      for (index_t ts = c0; ts < c1; ts += kProductTile) {
+        const index_t tw = std::min(kProductTile, c1 - ts);
+        pack_rows<A>(tw, D, row_ptr(k, b, hk, ts), k.stride[2], kbuf.data(), D, scale);
+        gemm_nn<A>(nr, D, tw, dL + (ts - c0), ld, 1, kbuf.data(), D, dQ, ldq, ts > c0);
+      }
     }
     for (index_t i = 0; i < nr; ++i) {
       if (pre.has_q) my_pre_rg[i].fold_lanes();

@@ -184,9 +184,14 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          pack_transposed<A>(n, d.D, row_ptr(k, b, h / group_of_kv, p), k.stride[2], scale, kt, ws.tile);
-          gemm_nn<A>(nr, n, d.D, row_ptr(q, b, h, t0), q.stride[2], 1, kt, ws.tile,
-                     panel + m * hs + (s - base), ld, false);
+          const T* kp = row_ptr(k, b, h / group_of_kv, p);
+          A* L = panel + m * hs + (s - base);
+          if (nr < kPackMinRows) {
+            gemm_nt_few_rows<A>(nr, n, d.D, row_ptr(q, b, h, t0), q.stride[2], kp, k.stride[2], L, ld, scale);
+            return;
+          }
+          pack_transposed<A>(n, d.D, kp, k.stride[2], scale, kt, ws.tile);
+          gemm_nn<A>(nr, n, d.D, row_ptr(q, b, h, t0), q.stride[2], 1, kt, ws.tile, L, ld, false);
         });
       }
       if (pre.on)
@@ -271,7 +276,12 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
         A* O = nth == 1 ? row_ptr(out, b, h, t0) : ws.o_part.data() + (tid * M + m) * Bq * Dv;
         const index_t ldo = nth == 1 ? out.stride[2] : Dv;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          pack_rows<A>(n, Dv, row_ptr(v, b, h / group_of_kv, p), v.stride[2], kt, Dv);
+          const T* vp = row_ptr(v, b, h / group_of_kv, p);
+          if (nr < kPackMinRows) {
+            gemm_nn<A>(nr, Dv, n, panel + m * hs + (s - base), ld, 1, vp, v.stride[2], O, ldo, true);
+            return;
+          }
+          pack_rows<A>(n, Dv, vp, v.stride[2], kt, Dv);
           gemm_nn<A>(nr, Dv, n, panel + m * hs + (s - base), ld, 1, kt, Dv, O, ldo, true);
         });
       }

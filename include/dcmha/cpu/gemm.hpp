@@ -123,6 +123,48 @@ void pack_rows(index_t n, index_t cols, const A* src, index_t lds, A* dst, index
   for (index_t j = 0; j < n; ++j) std::copy(src + j * lds, src + j * lds + cols, dst + j * ldd);
 }
 
+/// pack_rows with every value multiplied by alpha.
+template <class A>
+void pack_rows(index_t n, index_t cols, const A* src, index_t lds, A* dst, index_t ldd, A alpha) {
+  for (index_t j = 0; j < n; ++j)
+    for (index_t e = 0; e < cols; ++e) dst[j * ldd + e] = alpha * src[j * lds + e];
+}
+
+/// C[i][j] = alpha * sum_d A[i][d] B[j][d] as dot products along the contiguous depth, for a
+/// few rows only (decoding: one new token per sequence). Packing a key tile for so few rows would
+/// read K three times instead of once; here every key is read once per block of 4 rows.
+template <class A>
+void gemm_nt_few_rows(index_t rows, index_t n, index_t depth, const A* a, index_t lda, const A* b,
+                      index_t ldb, A* c, index_t ldc, A alpha) {
+  for (index_t i0 = 0; i0 < rows; i0 += 4) {
+    const index_t nr = std::min<index_t>(4, rows - i0);
+    for (index_t j = 0; j < n; ++j) {
+      const A* bj = b + j * ldb;
+      A s[4] = {};
+      index_t d = 0;
+#ifdef DCMHA_HAS_VECTOR_EXTENSIONS
+      using V = typename Simd<A>::V;
+      constexpr int L = Simd<A>::L;
+      V acc[4] = {};
+      for (; d + L <= depth; d += L) {
+        const V bv = vload(bj + d);
+        for (index_t r = 0; r < nr; ++r) acc[r] += vload(a + (i0 + r) * lda + d) * bv;
+      }
+      for (index_t r = 0; r < nr; ++r)
+        for (int l = 0; l < L; ++l) s[r] += acc[r][l];
+#endif
+      for (index_t r = 0; r < nr; ++r) {
+        for (index_t e = d; e < depth; ++e) s[r] += a[(i0 + r) * lda + e] * bj[e];
+        c[(i0 + r) * ldc + j] = alpha * s[r];
+      }
+    }
+  }
+}
+
+/// Below this many rows a product reads K and V in place (gemm_nt_few_rows, gemm_nn on the
+/// caller's rows) instead of packing key tiles that too few rows would share.
+constexpr index_t kPackMinRows = 8;
+
 /// C[i][:] (+)= sum_k A(i, k) B[k][:] for i < rows, over `depth` rows of B (row stride ldb, ncol
 /// contiguous columns); A(i, k) = a[i * ars + k * acs], so A may be read transposed. C is
 /// overwritten unless `accumulate`.
