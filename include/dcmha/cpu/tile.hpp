@@ -1,5 +1,6 @@
 #pragma once
-// Eigen maps over caller tensors and kernel panels: tile GEMMs read the caller's memory in place.
+// Eigen maps over caller tensors and kernel panels (row segments, the few Eigen products left),
+// row addresses, aligned workspace buffers.
 #include <Eigen/Core>
 #include <vector>
 
