@@ -189,12 +189,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       const index_t h = g * M + m, hk = h / group_of_kv;
       for (index_t ts = c0; ts < c1; ts += kProductTile) {
         const index_t tw = std::min(kProductTile, c1 - ts);
-        pack_transposed<A>(tw, D, row_ptr(k, b, hk, ts), k.stride[2], scale, kbuf.data(), kProductTile);
-        gemm_nn<A>(nr, tw, D, row_ptr(q, b, h, t0), q.stride[2], 1, kbuf.data(), kProductTile,
-                   Ls + m * hs + (ts - base), ld, false);
-        pack_transposed<A>(tw, d.Dv, row_ptr(v, b, hk, ts), v.stride[2], A(1), kbuf.data(), kProductTile);
-        gemm_nn<A>(nr, tw, d.Dv, row_ptr(dout, b, h, t0), dout.stride[2], 1, kbuf.data(), kProductTile,
-                   dPp + m * hs + (ts - base), ld, false);
+        gemm_abt<A>(nr, tw, D, row_ptr(q, b, h, t0), q.stride[2], row_ptr(k, b, hk, ts), k.stride[2],
+                    Ls + m * hs + (ts - base), ld, scale, kbuf.data());
+        gemm_abt<A>(nr, tw, d.Dv, row_ptr(dout, b, h, t0), dout.stride[2], row_ptr(v, b, hk, ts),
+                    v.stride[2], dPp + m * hs + (ts - base), ld, A(1), kbuf.data());
       }
     }
     if (pre.on)
@@ -219,9 +217,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     }
     for (index_t m = 0; m < M && w > 0 && !post.on; ++m) {
       const index_t h = g * M + m, hk = h / group_of_kv;
-      pack_rows<A>(nr, d.Dv, row_ptr(dout, b, h, t0), dout.stride[2], obuf.data(), d.Dv);
-      gemm_nn<A>(w, d.Dv, nr, Pp + m * hs + (c0 - base), 1, ld, obuf.data(), d.Dv,
-                 row_ptr(dv, b, hk, c0), dv.stride[2], true);
+      gemm_ab<A>(w, d.Dv, nr, Pp + m * hs + (c0 - base), 1, ld, row_ptr(dout, b, h, t0), dout.stride[2],
+                 row_ptr(dv, b, hk, c0), dv.stride[2], true, obuf.data());
     }
     if (post.on) {
       for (index_t ts = c0; ts < c1; ts += kTile) {
@@ -277,18 +274,18 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     for (index_t m = 0; m < M; ++m) {
       const index_t h = g * M + m, hk = h / group_of_kv;
       const A* dL = dPp + m * hs + (c0 - base);
-      if (w > 0) {
-        pack_rows<A>(nr, D, row_ptr(q, b, h, t0), q.stride[2], qbuf.data(), D, scale);
-        gemm_nn<A>(w, D, nr, dL, 1, ld, qbuf.data(), D, row_ptr(dk, b, hk, c0), dk.stride[2], true);
-      }
+      if (w > 0)
+        gemm_ab<A>(w, D, nr, dL, 1, ld, row_ptr(q, b, h, t0), q.stride[2], row_ptr(dk, b, hk, c0),
+                   dk.stride[2], true, qbuf.data(), scale);
       // Alone on the group, a thread writes straight to the caller's gradient.
       A* dQ = nth == 1 ? row_ptr(dq, b, h, t0) : ws.dq_part.data() + (tid * M + m) * Bq * D;
       const index_t ldq = nth == 1 ? dq.stride[2] : D;
-      if (w == 0) gemm_nn<A>(nr, D, 0, dL, ld, 1, kbuf.data(), D, dQ, ldq, false);
+      if (w == 0)
+        for (index_t i = 0; i < nr; ++i) std::fill(dQ + i * ldq, dQ + i * ldq + D, A(0));
       for (index_t ts = c0; ts < c1; ts += kProductTile) {
         const index_t tw = std::min(kProductTile, c1 - ts);
-        pack_rows<A>(tw, D, row_ptr(k, b, hk, ts), k.stride[2], kbuf.data(), D, scale);
-        gemm_nn<A>(nr, D, tw, dL + (ts - c0), ld, 1, kbuf.data(), D, dQ, ldq, ts > c0);
+        gemm_ab<A>(nr, D, tw, dL + (ts - c0), ld, 1, row_ptr(k, b, hk, ts), k.stride[2], dQ, ldq,
+                   ts > c0, kbuf.data(), scale);
       }
     }
     for (index_t i = 0; i < nr; ++i) {
@@ -300,18 +297,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     // 3. Sum dQ and the query-wise gradients over the team, a share of the rows each.
     index_t r0, r1;
     split_range(0, nr, tid, nth, 1, r0, r1);
-    for (index_t m = 0; m < M && nth > 1; ++m) {
-      const index_t h = g * M + m;
-      for (index_t i = r0; i < r1; ++i) {
-        T* o = dq.data + b * dq.stride[0] + h * dq.stride[1] + (t0 + i) * dq.stride[2];
-        const A* p0 = ws.dq_part.data() + (0 * M + m) * Bq * D + i * D;
-        for (index_t e = 0; e < D; ++e) o[e] = p0[e];
-        for (int j = 1; j < nth; ++j) {
-          const A* pj = ws.dq_part.data() + (j * M + m) * Bq * D + i * D;
-          for (index_t e = 0; e < D; ++e) o[e] += pj[e];
-        }
-      }
-    }
+    if (nth > 1) sum_team_parts<T, A>(team, ws.dq_part.data(), M, Bq, nr, D, dq, b, g * M, t0);
     for (index_t i = r0; i < r1; ++i) {
       store_row_grads(pre, ws.pre_rg.data() + set, Bq, nth, i, dcw.pre, b, t0 + i, g);
       store_row_grads(post, ws.post_rg.data() + set, Bq, nth, i, dcw.post, b, t0 + i, g);

@@ -184,14 +184,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          const T* kp = row_ptr(k, b, h / group_of_kv, p);
-          A* L = panel + m * hs + (s - base);
-          if (nr < kPackMinRows) {
-            gemm_nt_few_rows<A>(nr, n, d.D, row_ptr(q, b, h, t0), q.stride[2], kp, k.stride[2], L, ld, scale);
-            return;
-          }
-          pack_transposed<A>(n, d.D, kp, k.stride[2], scale, kt, ws.tile);
-          gemm_nn<A>(nr, n, d.D, row_ptr(q, b, h, t0), q.stride[2], 1, kt, ws.tile, L, ld, false);
+          gemm_abt<A>(nr, n, d.D, row_ptr(q, b, h, t0), q.stride[2], row_ptr(k, b, h / group_of_kv, p),
+                      k.stride[2], panel + m * hs + (s - base), ld, scale, kt);
         });
       }
       if (pre.on)
@@ -244,11 +238,13 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       }
 
     // Pass 2: tile factors, Compose_post, P'V.
-    for (index_t m = 0; m < M; ++m) {
-      auto O = nth == 1 ? mutable_rows_of(out, b, g * M + m, t0, nr)
-                        : Tile<A>(ws.o_part.data() + (tid * M + m) * Bq * Dv, nr, Dv, Eigen::OuterStride<>(Dv));
-      O.setZero();
-    }
+    // Alone on the group, a thread accumulates straight into the caller's output.
+    const index_t ldo = nth == 1 ? out.stride[2] : Dv;
+    auto out_rows = [&](index_t m) {
+      return nth == 1 ? row_ptr(out, b, g * M + m, t0) : ws.o_part.data() + (tid * M + m) * Bq * Dv;
+    };
+    for (index_t m = 0; m < M; ++m)
+      for (index_t i = 0; i < nr; ++i) std::fill(out_rows(m) + i * ldo, out_rows(m) + i * ldo + Dv, A(0));
     for (index_t cs = c0, tile = 0; cs < c1; cs += ws.tile, ++tile) {
       const index_t ce = std::min(c1, cs + ws.tile);
       const A* tmax = tile_max + tile * M * Bq;
@@ -272,17 +268,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       }
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
-        // Alone on the group, a thread accumulates straight into the caller's output.
-        A* O = nth == 1 ? row_ptr(out, b, h, t0) : ws.o_part.data() + (tid * M + m) * Bq * Dv;
-        const index_t ldo = nth == 1 ? out.stride[2] : Dv;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          const T* vp = row_ptr(v, b, h / group_of_kv, p);
-          if (nr < kPackMinRows) {
-            gemm_nn<A>(nr, Dv, n, panel + m * hs + (s - base), ld, 1, vp, v.stride[2], O, ldo, true);
-            return;
-          }
-          pack_rows<A>(n, Dv, vp, v.stride[2], kt, Dv);
-          gemm_nn<A>(nr, Dv, n, panel + m * hs + (s - base), ld, 1, kt, Dv, O, ldo, true);
+          gemm_ab<A>(nr, Dv, n, panel + m * hs + (s - base), ld, 1, row_ptr(v, b, h / group_of_kv, p),
+                     v.stride[2], out_rows(m), ldo, true, kt);
         });
       }
     }
@@ -290,20 +278,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     team.sync();
 
     // Sum the partial outputs in thread order; each thread writes a share of the rows.
-    index_t r0, r1;
-    split_range(0, nr, tid, nth, 1, r0, r1);
-    for (index_t m = 0; m < M; ++m) {
-      const index_t h = g * M + m;
-      for (index_t i = r0; i < r1; ++i) {
-        T* o = out.data + b * out.stride[0] + h * out.stride[1] + (t0 + i) * out.stride[2];
-        const A* p0 = ws.o_part.data() + (0 * M + m) * Bq * Dv + i * Dv;
-        for (index_t e = 0; e < Dv; ++e) o[e] = p0[e];
-        for (int j = 1; j < nth; ++j) {
-          const A* pj = ws.o_part.data() + (j * M + m) * Bq * Dv + i * Dv;
-          for (index_t e = 0; e < Dv; ++e) o[e] += pj[e];
-        }
-      }
-    }
+    sum_team_parts<T, A>(team, ws.o_part.data(), M, Bq, nr, Dv, out, b, g * M, t0);
   }
 }
 

@@ -119,15 +119,15 @@ void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha,
 /// rows of one head at H32/D128), one page each: read in place by every row block of a product,
 /// they missed the TLB on most loads (measured: 30% of the forward's time on one load).
 template <class A>
-void pack_rows(index_t n, index_t cols, const A* src, index_t lds, A* dst, index_t ldd) {
-  for (index_t j = 0; j < n; ++j) std::copy(src + j * lds, src + j * lds + cols, dst + j * ldd);
-}
-
-/// pack_rows with every value multiplied by alpha.
-template <class A>
-void pack_rows(index_t n, index_t cols, const A* src, index_t lds, A* dst, index_t ldd, A alpha) {
-  for (index_t j = 0; j < n; ++j)
-    for (index_t e = 0; e < cols; ++e) dst[j * ldd + e] = alpha * src[j * lds + e];
+void pack_rows(index_t n, index_t cols, const A* src, index_t lds, A* dst, index_t ldd,
+               A alpha = A(1)) {
+  for (index_t j = 0; j < n; ++j) {
+    if (alpha == A(1)) {
+      std::copy(src + j * lds, src + j * lds + cols, dst + j * ldd);
+    } else {
+      for (index_t e = 0; e < cols; ++e) dst[j * ldd + e] = alpha * src[j * lds + e];
+    }
+  }
 }
 
 /// C[i][j] = alpha * sum_d A[i][d] B[j][d] as dot products along the contiguous depth, for a
@@ -161,8 +161,8 @@ void gemm_nt_few_rows(index_t rows, index_t n, index_t depth, const A* a, index_
   }
 }
 
-/// Below this many rows a product reads K and V in place (gemm_nt_few_rows, gemm_nn on the
-/// caller's rows) instead of packing key tiles that too few rows would share.
+/// Below this many rows gemm_abt / gemm_ab read K and V in place instead of packing key tiles
+/// that too few rows would share.
 constexpr index_t kPackMinRows = 8;
 
 /// C[i][:] (+)= sum_k A(i, k) B[k][:] for i < rows, over `depth` rows of B (row stride ldb, ncol
@@ -200,6 +200,32 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
       c[i * ldc + j] = s;
     }
 #endif
+}
+
+}  // namespace dcmha::cpu
+
+namespace dcmha::cpu {
+
+/// C = alpha A B^T, rows x n over `depth` (scores Q K^T, dP' = dO V^T). B's n rows are transposed
+/// into `buf` (depth x n values) that all rows share, unless there are too few rows to share it.
+template <class A>
+void gemm_abt(index_t rows, index_t n, index_t depth, const A* a, index_t lda, const A* b,
+              index_t ldb, A* c, index_t ldc, A alpha, A* buf) {
+  if (rows < kPackMinRows) return gemm_nt_few_rows<A>(rows, n, depth, a, lda, b, ldb, c, ldc, alpha);
+  pack_transposed<A>(n, depth, b, ldb, alpha, buf, n);
+  gemm_nn<A>(rows, n, depth, a, lda, 1, buf, n, c, ldc, false);
+}
+
+/// C (+)= A (alpha B), B's `depth` rows of ncol values copied contiguous into `buf` (depth x ncol)
+/// first unless too few rows would read them (then read in place when alpha is 1).
+template <class A>
+void gemm_ab(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
+             const A* b, index_t ldb, A* c, index_t ldc, bool accumulate, A* buf,
+             A alpha = A(1)) {
+  if (rows < kPackMinRows && alpha == A(1))
+    return gemm_nn<A>(rows, ncol, depth, a, ars, acs, b, ldb, c, ldc, accumulate);
+  pack_rows<A>(depth, ncol, b, ldb, buf, ncol, alpha);
+  gemm_nn<A>(rows, ncol, depth, a, ars, acs, buf, ncol, c, ldc, accumulate);
 }
 
 }  // namespace dcmha::cpu
