@@ -91,38 +91,6 @@ void fill_normal(std::vector<float>& x, float stddev, std::uint64_t seed) {
   }
 }
 
-// The twelve dynamic compose tensors of one layer, w1/w2 (B, L, G, R, M) and dd (B, L, G, M),
-// in one allocation.
-struct DynamicWeightBuffers {
-  index_t B = 0, L = 0, G = 0, R = 0, M = 0;
-  std::vector<float> data;
-
-  DynamicWeightBuffers() = default;
-  DynamicWeightBuffers(index_t B_, index_t L_, index_t G_, index_t R_, index_t M_)
-      : B(B_), L(L_), G(G_), R(R_), M(M_),
-        data(static_cast<std::size_t>(2 * 2 * (2 * B * L * G * R * M + B * L * G * M))) {}
-
-  dcmha::DynamicWeights<float> views() {
-    float* p = data.data();
-    auto w = [&] {
-      auto v = dcmha::view<5>(p, {B, L, G, R, M});
-      p += v.numel();
-      return v;
-    };
-    auto dd = [&] {
-      auto v = dcmha::view<4>(p, {B, L, G, M});
-      p += v.numel();
-      return v;
-    };
-    dcmha::DynamicWeights<float> dw;
-    for (dcmha::DynamicWeightsSide<float>* s : {&dw.pre, &dw.post}) {
-      s->qw1 = w(); s->qw2 = w(); s->qdd = dd();
-      s->kw1 = w(); s->kw2 = w(); s->kdd = dd();
-    }
-    return dw;
-  }
-};
-
 // Every buffer of one problem, in the (B, T, H, D) layout of a real model. Gradients are only
 // allocated when a case needs them so that forward-only runs have the footprint of inference.
 struct Problem {
@@ -130,7 +98,7 @@ struct Problem {
   bool dcmha;
   std::vector<float> q, k, v, o, dout, dq, dk, dv;
   std::vector<dcmha::acc_t<float>> lse;
-  DynamicWeightBuffers dynw, dynw_grad;
+  dcmha::DynamicWeightsStorage<float> dynw, dynw_grad;
   dcmha::ComposeWeights<float> compose;
   dcmha::ComposeGrads<float> dcompose;
   bool have_forward = false;
@@ -146,7 +114,7 @@ struct Problem {
     fill_normal(v, 1.0f, 3);
     lse.resize(static_cast<std::size_t>(B * H * T));
     if (dcmha) {
-      dynw = DynamicWeightBuffers(B, T, kGroups, kRank, H / kGroups);
+      dynw = dcmha::DynamicWeightsStorage<float>(B, T, kGroups, kRank, H / kGroups);
       fill_normal(dynw.data, 0.1f, 4);
       compose = dcmha::compose_weights<float>(dynw.views());
     }
@@ -158,7 +126,7 @@ struct Problem {
     dout.resize(n); dq.resize(n); dk.resize(n); dv.resize(n);
     fill_normal(dout, 1.0f, 5);
     if (dcmha) {
-      dynw_grad = DynamicWeightBuffers(B, T, kGroups, kRank, H / kGroups);
+      dynw_grad = dcmha::DynamicWeightsStorage<float>(B, T, kGroups, kRank, H / kGroups);
       dcompose = dcmha::compose_grads(dynw_grad.views());
     }
   }
@@ -309,7 +277,7 @@ struct DecodeProblem {
   dcmha::DecodeCacheConfig cc;
   dcmha::DecodeCache<float> cache;
   std::vector<float> q, out;
-  DynamicWeightBuffers step_dynw;  // the new token's dynamic weights
+  dcmha::DynamicWeightsStorage<float> step_dynw;  // the new token's dynamic weights
   dcmha::ComposeWeights<float> query_side;
 
   static dcmha::DecodeCacheConfig config(const DecodeCase& c) {
@@ -329,13 +297,13 @@ struct DecodeProblem {
     std::vector<float> k(static_cast<std::size_t>(B * H * chunk * D)), v(k.size());
     fill_normal(k, 1.0f, 2);
     fill_normal(v, 1.0f, 3);
-    DynamicWeightBuffers fill_dynw(B, chunk, kGroups, kRank, M);
+    dcmha::DynamicWeightsStorage<float> fill_dynw(B, chunk, kGroups, kRank, M);
     fill_normal(fill_dynw.data, 0.1f, 4);
     // The first n tokens of the chunk buffers.
     auto kv = [&](std::vector<float>& x, index_t n) {
       return dcmha::view<4>(x.data(), {B, H, n, D}, {H * chunk * D, chunk * D, D, 1});
     };
-    auto key_side = [&](DynamicWeightBuffers& dw, index_t n) {
+    auto key_side = [&](dcmha::DynamicWeightsStorage<float>& dw, index_t n) {
       if (!dc) return dcmha::ComposeWeights<float>{};
       dcmha::ComposeWeights<float> w = dcmha::decode_key_side(dw.views());
       for (dcmha::ComposeTerms<float>* t : {&w.pre, &w.post}) {
@@ -350,7 +318,7 @@ struct DecodeProblem {
       cache.append(kv(k, n), kv(v, n), key_side(fill_dynw, n));
       done += n;
     }
-    step_dynw = DynamicWeightBuffers(B, 1, kGroups, kRank, M);
+    step_dynw = dcmha::DynamicWeightsStorage<float>(B, 1, kGroups, kRank, M);
     fill_normal(step_dynw.data, 0.1f, 5);
     cache.append(kv(k, 1), kv(v, 1), key_side(step_dynw, 1));
     if (dc) query_side = dcmha::decode_query_side(step_dynw.views());

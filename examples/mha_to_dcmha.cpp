@@ -28,38 +28,6 @@ std::vector<float> randn(std::size_t n, float stddev, std::mt19937& rng) {
   return x;
 }
 
-// Owns the twelve dynamic compose tensors of one layer (pre/post x query/key x {w1, w2, dd})
-// and hands out the views dcmha reads. The same type holds their gradients.
-// Shapes: w1, w2 (B, L, G, R, M); dd (B, L, G, M); L = T for query-wise, S for key-wise.
-struct DynamicWeightBuffers {
-  index_t B, L, G, R, M;
-  std::vector<float> data;  // one allocation, twelve slices
-
-  DynamicWeightBuffers(index_t B_, index_t L_, index_t G_, index_t R_, index_t M_)
-      : B(B_), L(L_), G(G_), R(R_), M(M_),
-        data(static_cast<std::size_t>(2 * 2 * (2 * B * L * G * R * M + B * L * G * M))) {}
-
-  dcmha::DynamicWeights<float> views() {
-    float* p = data.data();
-    auto w = [&] {
-      auto v = dcmha::view<5>(p, {B, L, G, R, M});
-      p += v.numel();
-      return v;
-    };
-    auto dd = [&] {
-      auto v = dcmha::view<4>(p, {B, L, G, M});
-      p += v.numel();
-      return v;
-    };
-    dcmha::DynamicWeights<float> dw;
-    for (dcmha::DynamicWeightsSide<float>* s : {&dw.pre, &dw.post}) {
-      s->qw1 = w(); s->qw2 = w(); s->qdd = dd();
-      s->kw1 = w(); s->kw2 = w(); s->kdd = dd();
-    }
-    return dw;
-  }
-};
-
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double m = 0.0;
   for (std::size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(double(a[i]) - b[i]));
@@ -116,7 +84,7 @@ int main() {
   proj.dd = dcmha::view<3>(p_dd.data(), {E, G, 4 * M});
   dcmha::ProjectionConfig pcfg;  // exact (erf) GELU, as the official PyTorch code
 
-  DynamicWeightBuffers dynw(B, T, G, R, M);
+  dcmha::DynamicWeightsStorage<float> dynw(B, T, G, R, M);
   const dcmha::DynamicWeights<float> dw = dynw.views();
 
   dcmha::AttentionConfig cfg;  // causal, scale 1/sqrt(D), all OpenMP threads
@@ -133,7 +101,7 @@ int main() {
   // Gradients; dcmha overwrites them, so they need no zeroing between steps.
   std::vector<float> dq_mha(n_act), dk_mha(n_act), dv_mha(n_act);
   std::vector<float> dq_dc(n_act), dk_dc(n_act), dv_dc(n_act);
-  DynamicWeightBuffers dynw_grad(B, T, G, R, M);
+  dcmha::DynamicWeightsStorage<float> dynw_grad(B, T, G, R, M);
   const dcmha::DynamicWeights<float> ddw = dynw_grad.views();
 
   // Gradients of the projection's input and parameters.

@@ -1,6 +1,8 @@
 #pragma once
 // The dynamic weight projection (spec section 2): hidden state x -> the twelve dynamic compose
 // tensors (pre/post x query/key x {w1, w2, dd}), with the official DCFormer parameter layout.
+#include <vector>
+
 #include "compose_weights.hpp"
 #include "config.hpp"
 #include "error.hpp"
@@ -49,6 +51,40 @@ struct DynamicWeightsSide {
 template <class T>
 struct DynamicWeights {
   DynamicWeightsSide<T> pre, post;
+};
+
+/// Owns the twelve dynamic tensors of one layer (or their gradients) in one allocation and hands
+/// out the views: w1, w2 (B, L, G, R, M) and dd (B, L, G, M) for pre/post x query/key, with
+/// L = T for the query-wise and S for the key-wise terms (one L: self-attention).
+template <class T>
+struct DynamicWeightsStorage {
+  index_t B = 0, L = 0, G = 0, R = 0, M = 0;
+  std::vector<T> data;
+
+  DynamicWeightsStorage() = default;
+  DynamicWeightsStorage(index_t B_, index_t L_, index_t G_, index_t R_, index_t M_)
+      : B(B_), L(L_), G(G_), R(R_), M(M_),
+        data(static_cast<std::size_t>(2 * 2 * (2 * B * L * G * R * M + B * L * G * M))) {}
+
+  DynamicWeights<T> views() {
+    T* p = data.data();
+    auto w = [&] {
+      auto v = view<5>(p, {B, L, G, R, M});
+      p += v.numel();
+      return v;
+    };
+    auto dd = [&] {
+      auto v = view<4>(p, {B, L, G, M});
+      p += v.numel();
+      return v;
+    };
+    DynamicWeights<T> dw;
+    for (DynamicWeightsSide<T>* s : {&dw.pre, &dw.post}) {
+      s->qw1 = w(); s->qw2 = w(); s->qdd = dd();
+      s->kw1 = w(); s->kw2 = w(); s->kdd = dd();
+    }
+    return dw;
+  }
 };
 
 /// Self-attention compose weights from a projection's output (queries and keys are the same

@@ -292,11 +292,10 @@ class TypedProblem {
     }
   }
 
-  ComposeTerms<T> terms(const reference::ComposeSide& c, const SideBuffers& b) const {
-    ComposeTerms<T> t;
-    t.static_w = c.static_w;
-    t.query_wise = c.query_wise;
-    t.key_wise = c.key_wise;
+  /// Views of one side's buffers (compose inputs or their gradients: the same fields).
+  template <class Terms, class Buffers>
+  Terms side_views(const reference::ComposeSide& c, Buffers& b) const {
+    Terms t;
     if (c.static_w) t.w = view<3>(b.w.data(), w_shape());
     if (c.query_wise) {
       t.qw1 = view<5>(b.qw1.data(), lowrank_shape(p_.T, c.Rq));
@@ -311,20 +310,16 @@ class TypedProblem {
     return t;
   }
 
-  ComposeTermGrads<T> term_grads(const reference::ComposeSide& c, SideBuffers& b) {
-    ComposeTermGrads<T> t;
-    if (c.static_w) t.w = view<3>(b.w.data(), w_shape());
-    if (c.query_wise) {
-      t.qw1 = view<5>(b.qw1.data(), lowrank_shape(p_.T, c.Rq));
-      t.qw2 = view<5>(b.qw2.data(), lowrank_shape(p_.T, c.Rq));
-      t.qdd = view<4>(b.qdd.data(), gate_shape(p_.T));
-    }
-    if (c.key_wise) {
-      t.kw1 = view<5>(b.kw1.data(), lowrank_shape(p_.S, c.Rk));
-      t.kw2 = view<5>(b.kw2.data(), lowrank_shape(p_.S, c.Rk));
-      t.kdd = view<4>(b.kdd.data(), gate_shape(p_.S));
-    }
+  ComposeTerms<T> terms(const reference::ComposeSide& c, const SideBuffers& b) const {
+    ComposeTerms<T> t = side_views<ComposeTerms<T>>(c, b);
+    t.static_w = c.static_w;
+    t.query_wise = c.query_wise;
+    t.key_wise = c.key_wise;
     return t;
+  }
+
+  ComposeTermGrads<T> term_grads(const reference::ComposeSide& c, SideBuffers& b) {
+    return side_views<ComposeTermGrads<T>>(c, b);
   }
 
   static reference::ComposeSide read_side(const reference::ComposeSide& c, const SideBuffers& b) {
