@@ -7,6 +7,7 @@
 // transposed as [r][m][s] so that a chunk reads contiguous memory; everything that depends only
 // on t (the query-wise terms) is a handful of scalars per row.
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "../compose_weights.hpp"
@@ -34,13 +35,21 @@ constexpr int kVectorBytes = 16;
 template <class A>
 struct ComposeSide {
   bool on = false, has_w = false, has_q = false, has_k = false;
+  bool borrowed = false;  // key-wise terms read in place from the caller's tensors
   index_t M = 0, Rq = 0, Rk = 0, ld = 0;
   Buffer<A> w;         // [m][n]
-  Buffer<A> kw1, kw2;  // [r][m][ld]
-  Buffer<A> kdd;       // [m][ld]
+  Buffer<A> kw1, kw2;  // [r][m][ld], unless borrowed
+  Buffer<A> kdd;       // [m][ld], unless borrowed
+  // What the kernels read: the buffers above, or the caller's memory when it is already laid out
+  // [r][m][s] with keys contiguous (the decode cache is): then nothing is copied per call.
+  const A* k1 = nullptr;
+  const A* k2 = nullptr;
+  const A* kd = nullptr;
 
+  /// `in_place_ok`: the caller's key positions are the kernel's (no ring buffer), so a matching
+  /// layout may be read in place.
   template <class T>
-  void init(const ComposeTerms<T>& c, index_t M_, index_t S) {
+  void init(const ComposeTerms<T>& c, index_t M_, index_t S, bool in_place_ok = false) {
     on = c.enabled();
     has_w = c.static_w;
     has_q = c.query_wise;
@@ -50,10 +59,17 @@ struct ComposeSide {
     Rk = has_k ? c.kw1.shape[3] : 0;
     ld = S;
     if (has_w) w.assign(M * M, A(0));
-    if (has_k) {
+    borrowed = false;
+    if (has_k && in_place_ok && std::is_same_v<A, T> && kernel_layout(c)) {
+      borrowed = true;
+      ld = c.kdd.stride[3];
+    } else if (has_k) {
       kw1.assign(Rk * M * ld, A(0));
       kw2.assign(Rk * M * ld, A(0));
       kdd.assign(M * ld, A(0));
+      k1 = kw1.data();
+      k2 = kw2.data();
+      kd = kdd.data();
     }
   }
 
@@ -64,22 +80,45 @@ struct ComposeSide {
     if (has_w && s0 == 0)
       for (index_t m = 0; m < M; ++m)
         for (index_t n = 0; n < M; ++n) w[m * M + n] = A(c.w(g, m, n));
+    if (borrowed) {
+      if constexpr (std::is_same_v<A, T>) {
+        if (s0 == 0) {  // one writer; the team syncs after load
+          k1 = c.kw1.data + b * c.kw1.stride[0] + g * c.kw1.stride[2];
+          k2 = c.kw2.data + b * c.kw2.stride[0] + g * c.kw2.stride[2];
+          kd = c.kdd.data + b * c.kdd.stride[0] + g * c.kdd.stride[2];
+        }
+      }
+      return;
+    }
     if (has_k)
       for (index_t s = s0; s < s1; ++s) {
         // Plain pointer walks: this gather runs for every key of every decode step.
         const index_t p = ring.slot(b, s);
-        const T* k1 = c.kw1.data + b * c.kw1.stride[0] + p * c.kw1.stride[1] + g * c.kw1.stride[2];
-        const T* k2 = c.kw2.data + b * c.kw2.stride[0] + p * c.kw2.stride[1] + g * c.kw2.stride[2];
-        const T* kd = c.kdd.data + b * c.kdd.stride[0] + p * c.kdd.stride[1] + g * c.kdd.stride[2];
+        const T* k1s = c.kw1.data + b * c.kw1.stride[0] + p * c.kw1.stride[1] + g * c.kw1.stride[2];
+        const T* k2s = c.kw2.data + b * c.kw2.stride[0] + p * c.kw2.stride[1] + g * c.kw2.stride[2];
+        const T* kds = c.kdd.data + b * c.kdd.stride[0] + p * c.kdd.stride[1] + g * c.kdd.stride[2];
         for (index_t r = 0; r < Rk; ++r)
           for (index_t m = 0; m < M; ++m) {
-            kw1[(r * M + m) * ld + s] = A(k1[r * c.kw1.stride[3] + m * c.kw1.stride[4]]);
-            kw2[(r * M + m) * ld + s] = A(k2[r * c.kw2.stride[3] + m * c.kw2.stride[4]]);
+            kw1[(r * M + m) * ld + s] = A(k1s[r * c.kw1.stride[3] + m * c.kw1.stride[4]]);
+            kw2[(r * M + m) * ld + s] = A(k2s[r * c.kw2.stride[3] + m * c.kw2.stride[4]]);
           }
-        for (index_t m = 0; m < M; ++m) kdd[m * ld + s] = A(kd[m * c.kdd.stride[3]]);
+        for (index_t m = 0; m < M; ++m) kdd[m * ld + s] = A(kds[m * c.kdd.stride[3]]);
       }
   }
 
+ private:
+  /// kw1 / kw2 element (b, s, g, r, m) at (r * M + m) * ld + s from the (b, g) origin, kdd (b, s, g, m)
+  /// at m * ld + s, one ld for all three.
+  template <class T>
+  bool kernel_layout(const ComposeTerms<T>& c) const {
+    const index_t l = c.kdd.stride[3];
+    auto lowrank_ok = [&](const TensorView<const T, 5>& x) {
+      return x.stride[1] == 1 && x.stride[4] == l && x.stride[3] == M * l;
+    };
+    return c.kdd.stride[1] == 1 && l >= c.kdd.shape[1] && lowrank_ok(c.kw1) && lowrank_ok(c.kw2);
+  }
+
+ public:
   /// Scratch a chunk needs: hidden vectors for every rank, one M x kChunk block for the static
   /// term and, last, one M x kChunk block where a scaled copy of the input may be staged.
   index_t scratch_size() const { return (2 * (Rq + Rk) + 2 * M) * kChunk; }
@@ -127,7 +166,7 @@ inline void compose_chunk(const ComposeSide<A>& c, const ComposeRow<A>& q, index
       for (int j = 0; j < n; ++j) h[j] += a[j] * w1;
     }
     for (index_t r = 0; r < Rk; ++r) {
-      const A* w1 = c.kw1.data() + (r * M + m) * ld + s;
+      const A* w1 = c.k1 + (r * M + m) * ld + s;
       A* h = kh + r * kChunk;
 #pragma omp simd
       for (int j = 0; j < n; ++j) h[j] += a[j] * w1[j];
@@ -150,7 +189,7 @@ inline void compose_chunk(const ComposeSide<A>& c, const ComposeRow<A>& q, index
     A* d = dst + o * dst_hs;
     const A gq = A(1) + (c.has_q ? q.qdd[o] : A(0));
     if (c.has_k) {
-      const A* kd = c.kdd.data() + o * ld + s;
+      const A* kd = c.kd + o * ld + s;
 #pragma omp simd
       for (int j = 0; j < n; ++j) d[j] = a[j] * (gq + kd[j]);
     } else {
@@ -164,7 +203,7 @@ inline void compose_chunk(const ComposeSide<A>& c, const ComposeRow<A>& q, index
       for (int j = 0; j < n; ++j) d[j] += h[j] * w2;
     }
     for (index_t r = 0; r < Rk; ++r) {
-      const A* w2 = c.kw2.data() + (r * M + o) * ld + s;
+      const A* w2 = c.k2 + (r * M + o) * ld + s;
       const A* h = kh + r * kChunk;
 #pragma omp simd
       for (int j = 0; j < n; ++j) d[j] += h[j] * w2[j];
@@ -253,8 +292,8 @@ inline void compose_chunk_backward(const ComposeSide<A>& c, const ComposeRow<A>&
       }
     }
     for (index_t r = 0; r < Rk; ++r) {
-      const A* w1 = c.kw1.data() + (r * M + m) * ld + s;
-      const A* w2 = c.kw2.data() + (r * M + m) * ld + s;
+      const A* w1 = c.k1 + (r * M + m) * ld + s;
+      const A* w2 = c.k2 + (r * M + m) * ld + s;
       A* h = kh + r * kChunk;
       A* e = gk + r * kChunk;
 #pragma omp simd
@@ -326,7 +365,7 @@ inline void compose_chunk_backward(const ComposeSide<A>& c, const ComposeRow<A>&
     A* out = g + m * g_hs;
     const A gqd = A(1) + (c.has_q ? q.qdd[m] : A(0));
     if (c.has_k) {
-      const A* kd = c.kdd.data() + m * ld + s;
+      const A* kd = c.kd + m * ld + s;
 #pragma omp simd
       for (int j = 0; j < n; ++j) out[j] = gm[j] * (gqd + kd[j]);
     } else {
@@ -340,7 +379,7 @@ inline void compose_chunk_backward(const ComposeSide<A>& c, const ComposeRow<A>&
       for (int j = 0; j < n; ++j) out[j] += e[j] * w1;
     }
     for (index_t r = 0; r < Rk; ++r) {
-      const A* w1 = c.kw1.data() + (r * M + m) * ld + s;
+      const A* w1 = c.k1 + (r * M + m) * ld + s;
       const A* e = gk + r * kChunk;
 #pragma omp simd
       for (int j = 0; j < n; ++j) out[j] += e[j] * w1[j];

@@ -27,9 +27,9 @@ void compose_chunk_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, in
   using V = typename Simd<A>::V;
   constexpr int L = Simd<A>::L;
   const index_t M = c.M, ld = c.ld;
-  const A* kw1 = RK ? c.kw1.data() + s : nullptr;
-  const A* kw2 = RK ? c.kw2.data() + s : nullptr;
-  const A* kdd = RK ? c.kdd.data() + s : nullptr;
+  const A* kw1 = RK ? c.k1 + s : nullptr;
+  const A* kw2 = RK ? c.k2 + s : nullptr;
+  const A* kdd = RK ? c.kd + s : nullptr;
   int j = 0;
   for (; j + L <= n; j += L) {
     V qh[RQ > 0 ? RQ : 1] = {}, kh[RK > 0 ? RK : 1] = {};
@@ -87,8 +87,8 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
         eq[r] += gv * q.qw2[r * M + m];
       }
       for (int r = 0; r < RK; ++r) {
-        hk[r] += av * vload(c.kw1.data() + (r * M + m) * ld + s + j);
-        ek[r] += gv * vload(c.kw2.data() + (r * M + m) * ld + s + j);
+        hk[r] += av * vload(c.k1 + (r * M + m) * ld + s + j);
+        ek[r] += gv * vload(c.k2 + (r * M + m) * ld + s + j);
       }
     }
     for (int r = 0; r < RQ; ++r) { qh[r][jb] = hq[r]; gq[r][jb] = eq[r]; }
@@ -115,12 +115,12 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
         A* k2 = kg.kw2.data() + (r * M + m) * ld + s + j;
         vstore(k1, vload(k1) + av * gk[r][jb]);
         vstore(k2, vload(k2) + kh[r][jb] * gv);
-        out += gk[r][jb] * vload(c.kw1.data() + (r * M + m) * ld + s + j);
+        out += gk[r][jb] * vload(c.k1 + (r * M + m) * ld + s + j);
       }
       if (RK) {
         A* kd = kg.kdd.data() + m * ld + s + j;
         vstore(kd, vload(kd) + av * gv);
-        out += gv * vload(c.kdd.data() + m * ld + s + j);
+        out += gv * vload(c.kd + m * ld + s + j);
       }
       vstore(g + m * g_hs + j, out);
     }

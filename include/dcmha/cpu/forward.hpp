@@ -85,9 +85,11 @@ struct ComposeSides {
   ComposeSide<A> pre, post;
 
   template <class T>
-  void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw) {
-    pre.init(cw.pre, d.M, padded_stride<A>(d.S));
-    post.init(cw.post, d.M, padded_stride<A>(d.S));
+  void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw, const KeyRing& ring) {
+    // Through a ring buffer, kernel key s is not the caller's slot s: copy then.
+    const bool in_place_ok = ring.capacity == 0;
+    pre.init(cw.pre, d.M, padded_stride<A>(d.S), in_place_ok);
+    post.init(cw.post, d.M, padded_stride<A>(d.S), in_place_ok);
   }
   /// The team loads group g of batch b, a share of the keys each.
   template <class T>
@@ -303,7 +305,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
       ForwardWorkspace<A> ws;
       ws.init(d, mask, 1);
       ComposeSides<A> sides;
-      sides.init(d, cw);
+      sides.init(d, cw, ring);
       ForwardRows<A> rows(sides, ws.Bq, d.M, ws.ld, d.D, d.Dv, ws.tile);
 #pragma omp for schedule(dynamic, 1)
       for (index_t it = 0; it < items; ++it) {
@@ -315,7 +317,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
     return;
   }
   ComposeSides<A> sides;
-  sides.init(d, cw);
+  sides.init(d, cw, ring);
   if (blocks >= 4 * index_t(nt)) {
     // Few items but many query blocks: the team loads an item's compose inputs together, then
     // each thread takes whole query blocks with a private panel (no barriers inside a block).

@@ -3,7 +3,8 @@
 //
 // Per sequence b of a batch of B: K (B, Hk, cap, D), V (B, Hk, cap, Dv) and, for each compose
 // side whose key-wise terms are on, the key-wise compose state of every cached key:
-// kw1, kw2 (B, cap, G, Rk, M) and kdd (B, cap, G, M). Key-wise terms depend only on the key
+// kw1, kw2 (B, cap, G, Rk, M) and kdd (B, cap, G, M), stored slot-fastest ([b][g][r][m][slot], the
+// compose kernels' layout; the accessors return strided views). Key-wise terms depend only on the key
 // position, so they are computed once, when the token is appended, and never again.
 //
 // The state is kept in the low-rank form rather than as the merged M x M matrices
@@ -198,7 +199,8 @@ class DecodeCache {
   TensorView<T, 4> kdd_slots(bool post) const {
     const SideLayout& s = lay_.side[post ? 1 : 0];
     if (!s.on) return {};
-    return view<4>(data_ + s.kdd, {cfg_.B, lay_.cap, cfg_.G, cfg_.H / cfg_.G});
+    const index_t G = cfg_.G, M = cfg_.H / G, cap = lay_.cap;
+    return view<4>(data_ + s.kdd, {cfg_.B, cap, G, M}, {G * M * cap, 1, M * cap, cap});
   }
 
  private:
@@ -266,8 +268,9 @@ class DecodeCache {
   TensorView<T, 5> lowrank(bool post, int which) const {
     const SideLayout& s = lay_.side[post ? 1 : 0];
     if (!s.on) return {};
-    return view<5>(data_ + (which == 0 ? s.kw1 : s.kw2),
-                   {cfg_.B, lay_.cap, cfg_.G, cfg_.Rk, cfg_.H / cfg_.G});
+    const index_t G = cfg_.G, R = cfg_.Rk, M = cfg_.H / G, cap = lay_.cap;
+    return view<5>(data_ + (which == 0 ? s.kw1 : s.kw2), {cfg_.B, cap, G, R, M},
+                   {G * R * M * cap, 1, R * M * cap, M * cap, cap});
   }
 
   static void copy_row(const TensorView<const T, 4>& src, index_t b, index_t h, index_t i,
@@ -278,17 +281,19 @@ class DecodeCache {
 
   void store_key_wise(const SideLayout& s, const ComposeTerms<T>& c, index_t b, index_t i,
                       index_t p) {
+    // Kernel layout, [b][g][r][m][slot]: decode reads the keys of one (r, m) as a contiguous run
+    // in place (cpu::ComposeSide borrows it) instead of gathering every cached key every step.
     const index_t G = cfg_.G, R = cfg_.Rk, M = cfg_.H / G, cap = lay_.cap;
-    T* w1 = data_ + s.kw1 + (b * cap + p) * G * R * M;
-    T* w2 = data_ + s.kw2 + (b * cap + p) * G * R * M;
-    T* dd = data_ + s.kdd + (b * cap + p) * G * M;
+    T* w1 = data_ + s.kw1 + b * G * R * M * cap + p;
+    T* w2 = data_ + s.kw2 + b * G * R * M * cap + p;
+    T* dd = data_ + s.kdd + b * G * M * cap + p;
     for (index_t g = 0; g < G; ++g)
       for (index_t m = 0; m < M; ++m) {
         for (index_t r = 0; r < R; ++r) {
-          w1[(g * R + r) * M + m] = c.kw1(b, i, g, r, m);
-          w2[(g * R + r) * M + m] = c.kw2(b, i, g, r, m);
+          w1[((g * R + r) * M + m) * cap] = c.kw1(b, i, g, r, m);
+          w2[((g * R + r) * M + m) * cap] = c.kw2(b, i, g, r, m);
         }
-        dd[g * M + m] = c.kdd(b, i, g, m);
+        dd[(g * M + m) * cap] = c.kdd(b, i, g, m);
       }
   }
 
