@@ -31,15 +31,15 @@
 namespace dcmha::cpu {
 
 /// Rows per query block: as many as keep `panels` panels (each M x Bq x S values) within
-/// `budget` bytes, between 32 and `max_rows`. More rows per block means fewer passes over K and V
+/// `budget` bytes, between 32 and 64. More rows per block means fewer passes over K and V
 /// (each block reads all of its keys for all M heads, from DRAM once M x S x D outgrows the cache)
 /// and better reuse of each packed key tile; below 32 rows packing costs more than the products
 /// (measured: 4x slower at Bq = 8), so long sequences get panels over budget, still O(S) per thread.
 template <class A>
 inline index_t query_block_rows(index_t M, index_t ld, index_t T, index_t panels = 1,
-                                index_t budget = index_t(16) << 20, index_t max_rows = 64) {
+                                index_t budget = index_t(16) << 20) {
   index_t rows = budget / index_t(sizeof(A)) / std::max<index_t>(panels * M * ld, 1);
-  rows = std::max<index_t>(32, std::min<index_t>(max_rows, rows / 8 * 8));
+  rows = std::max<index_t>(32, std::min<index_t>(64, rows / 8 * 8));
   return std::min(rows, T);
 }
 
@@ -62,8 +62,8 @@ struct ForwardWorkspace {
   /// once per step instead made DCMHA memory-bound (tens of MiB at M = 32).
   static void layout(const detail::AttentionDims& d, const RowMask& mask, index_t& Bq, index_t& ld,
                      index_t& tile) {
-    Bq = query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1,
-                             index_t(64) << 20, 64);
+    // The panel's cache footprint no longer matters (tiles do), only its memory: 64 MiB.
+    Bq = query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1, index_t(64) << 20);
     ld = padded_stride<A>(mask.max_block_keys(Bq));
     const index_t fit = (index_t(1024) << 10) / index_t(sizeof(A)) / (d.M * Bq);
     tile = std::max<index_t>(32, std::min<index_t>(256, fit / 32 * 32));
