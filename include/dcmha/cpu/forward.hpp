@@ -4,7 +4,7 @@
 // Why a panel and not an online softmax: Compose_post mixes *normalized* probabilities across
 // the heads of a group, and each head's normalizer is only known once its whole row has been
 // seen. So for one query block of Bq rows we keep the scores of all M heads of the group over
-// the block's visible keys, a panel [m][row][key] of M x Bq x S values (never B*H*T*S), take an
+// the block's visible keys, a panel of M x Bq x S values in key tiles (never B*H*T*S), take an
 // exact softmax, compose, and multiply by V. The matrix products are the same two as in MHA.
 //
 // Parallelism: the whole team works on one (batch, group, query block) at a time, each thread on
@@ -49,34 +49,44 @@ inline A default_scale(double scale, index_t D) {
 }
 
 /// Buffers one team shares while it works on one (batch, group).
+///
+/// The panel is a sequence of slabs, one per key tile: slab [row][m][key in tile], so that the
+/// M heads of one row, which Compose reads together, are one contiguous run (M x tile values)
+/// and a tile's slab is one contiguous block. Head-major over the whole block instead
+/// ([m][row][key]) put every head of a row in its own page: Compose missed the cache on half of
+/// its loads there (perf), and pass 2 read the panel back as M x Bq short streams.
 template <class A>
 struct ForwardWorkspace {
-  index_t Bq = 0, ld = 0, hs = 0, tile = 0;
-  Buffer<A> panel;             // [m][row][key]
+  index_t Bq = 0, tile = 0, rs = 0, slab = 0, tiles = 0;
+  Buffer<A> panel;             // [rank][tile][row][m][key]
   Buffer<A> row_max, row_sum;  // [rank][m][row]
   Buffer<A> o_part;            // [rank][m][row][Dv]
 
-  /// Rows per block, the panel's row stride (the panel holds the keys of one block only) and the
-  /// keys per tile of the two passes: a tile's slice of the panel, M x Bq x tile values, is
-  /// produced and consumed while it is still in L2 (1 MiB of it). Sweeping the whole panel
+  /// Rows per block and keys per tile of the two passes: a tile's slab, M x Bq x tile values,
+  /// is produced and consumed while it is still in L2 (half of it). Sweeping the whole panel
   /// once per step instead made DCMHA memory-bound (tens of MiB at M = 32).
-  static void layout(const detail::AttentionDims& d, const RowMask& mask, index_t& Bq, index_t& ld,
-                     index_t& tile) {
-    // The panel's cache footprint no longer matters (tiles do), only its memory: 64 MiB.
+  static void layout(const detail::AttentionDims& d, const RowMask& mask, index_t& Bq, index_t& tile) {
+    // The panel's cache footprint does not matter (slabs do), only its memory: 64 MiB.
     Bq = query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1, index_t(64) << 20);
-    ld = padded_stride<A>(mask.max_block_keys(Bq));
-    const index_t fit = (index_t(1024) << 10) / index_t(sizeof(A)) / (d.M * Bq);
+    const index_t fit = (index_t(512) << 10) / index_t(sizeof(A)) / (d.M * Bq);
     tile = std::max<index_t>(32, std::min<index_t>(256, fit / 32 * 32));
   }
 
   void init(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
-    layout(d, mask, Bq, ld, tile);
-    hs = padded_stride<A>(Bq * ld);
-    panel.assign(d.M * hs, A(0));
+    layout(d, mask, Bq, tile);
+    rs = padded_stride<A>(d.M * tile);  // off a power of two: the products write rows rs apart
+    slab = Bq * rs;
+    // The most keys split_range gives one rank (shares are whole 16-key units).
+    const index_t units = (mask.max_block_keys(Bq) + 15) / 16;
+    const index_t share = (units + team_size - 1) / team_size * 16;
+    tiles = (share + tile - 1) / tile;
+    panel.assign(team_size * tiles * slab, A(0));
     row_max.assign(team_size * d.M * Bq, A(0));
     row_sum.assign(team_size * d.M * Bq, A(0));
     o_part.assign(team_size * d.M * Bq * d.Dv, A(0));
   }
+  /// Row i of the slab of this rank's tile number `t`; head m's keys start at + m * tile.
+  A* slab_row(int rank, index_t t, index_t i) { return panel.data() + (rank * tiles + t) * slab + i * rs; }
 };
 
 /// Both sides' compose inputs of one (batch, group) in kernel layout; read-only once loaded.
@@ -116,14 +126,14 @@ struct ForwardRows {
   Buffer<A> scale;     // [row][m]: what turns one tile's exponentials into probabilities
   Buffer<A> kt;        // one key tile of K (transposed, scaled) or of V, packed contiguous
 
-  ForwardRows(const ComposeSides<A>& sides, index_t Bq, index_t M, index_t ld, index_t D, index_t Dv, index_t tile)
+  ForwardRows(const ComposeSides<A>& sides, index_t Bq, index_t M, index_t tiles, index_t D, index_t Dv, index_t tile)
       : pre(Bq), post(Bq) {
     for (auto& r : pre) r.init(sides.pre);
     for (auto& r : post) r.init(sides.post);
     scratch.assign(std::max(sides.pre.scratch_size(), sides.post.scratch_size()), A(0));
     inv_sum.assign(Bq * M, A(0));
     final_max.assign(Bq * M, A(0));
-    tile_max.assign((ld / tile + 2) * M * Bq, A(0));
+    tile_max.assign(tiles * M * Bq, A(0));
     scale.assign(Bq * M, A(0));
     kt.assign(std::max(D, Dv) * tile, A(0));
   }
@@ -145,10 +155,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
                     TensorView<A, 3> lse, const ComposeWeights<T>& cw, const KeyRing& ring) {
   const int tid = team.rank, nth = team.size;
   const index_t M = d.M, Dv = d.Dv, group_of_kv = d.H / d.Hk;
-  const index_t Bq = ws.Bq, ld = ws.ld, hs = ws.hs;
+  const index_t Bq = ws.Bq, tw = ws.tile, rs = ws.rs;
   const ComposeSide<A>& pre = sides.pre;
   const ComposeSide<A>& post = sides.post;
-  A* panel = ws.panel.data();
   constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 
   std::vector<ComposeRow<A>>& pre_rows = rows.pre;
@@ -162,11 +171,15 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
   const ComposeFn<A> pre_fn(pre), post_fn(post);
   A* my_max = ws.row_max.data() + tid * M * Bq;
   A* my_sum = ws.row_sum.data() + tid * M * Bq;
+  // The same keys of the next kv head, for the packing routines to prefetch (null: none left).
+  auto next_head = [&](const TensorView<const T, 4>& x, index_t m, index_t p) -> const T* {
+    const index_t hk = (g * M + m) / group_of_kv, hn = (g * M + m + 1) / group_of_kv;
+    return m + 1 < M && hn != hk ? row_ptr(x, b, hn, p) : nullptr;
+  };
 
   for (index_t t0 = blk0 * Bq; t0 < std::min(d.T, blk1 * Bq); t0 += Bq) {
     const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
     const KeyRange keys = mask.rows(b, t0, t1);
-    const index_t base = keys.begin;  // panel column 0 holds this key
     index_t lo, hi;
     mask.live_rows(b, t0, t1, lo, hi);
     index_t c0, c1;
@@ -181,21 +194,23 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     }
 
     // Pass 1: scores, Compose_pre, exponentials against the running maximum.
-    for (index_t cs = c0, tile = 0; cs < c1; cs += ws.tile, ++tile) {
-      const index_t ce = std::min(c1, cs + ws.tile);
+    for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
+      const index_t ce = std::min(c1, cs + tw);
+      A* slab = ws.slab_row(tid, tile, 0);  // slab[i * rs + m * tw + (s - cs)] holds key s
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
           gemm_abt<A>(nr, n, d.D, row_ptr(q, b, h, t0), q.stride[2], row_ptr(k, b, h / group_of_kv, p),
-                      k.stride[2], panel + m * hs + (s - base), ld, scale, kt);
+                      k.stride[2], slab + m * tw + (s - cs), rs, scale, kt, next_head(k, m, p));
         });
       }
+      // Chunks outer: a chunk's key-wise terms stay in L1 while every row of the block uses them.
       if (pre.on)
         for (index_t s = cs; s < ce; s += kChunk) {
           const int n = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
-            A* p = panel + i * ld + (s - base);
-            pre_fn(pre, pre_rows[i], s, n, p, hs, p, hs, nullptr, scratch);
+            A* p = slab + i * rs + (s - cs);
+            pre_fn(pre, pre_rows[i], s, n, p, tw, p, tw, nullptr, scratch);
           }
         }
       A* tmax = tile_max + tile * M * Bq;
@@ -203,7 +218,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
         const KeyRange r = mask.row(b, t0 + i);
         const index_t vb = std::max(r.begin, cs), ve = std::min(r.end, ce);
         for (index_t m = 0; m < M; ++m) {
-          A* row = panel + m * hs + i * ld - base;  // row[s] holds key s
+          A* row = slab + i * rs + m * tw - cs;  // row[s] holds key s
           A& mx = my_max[m * Bq + i];
           if (ve > vb) {
             Segment<A> e(row + vb, ve - vb);
@@ -247,8 +262,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     };
     for (index_t m = 0; m < M; ++m)
       for (index_t i = 0; i < nr; ++i) std::fill(out_rows(m) + i * ldo, out_rows(m) + i * ldo + Dv, A(0));
-    for (index_t cs = c0, tile = 0; cs < c1; cs += ws.tile, ++tile) {
-      const index_t ce = std::min(c1, cs + ws.tile);
+    for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
+      const index_t ce = std::min(c1, cs + tw);
+      A* slab = ws.slab_row(tid, tile, 0);
       const A* tmax = tile_max + tile * M * Bq;
       for (index_t i = 0; i < nr; ++i)
         for (index_t m = 0; m < M; ++m) {
@@ -259,20 +275,22 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
         for (index_t s = cs; s < ce; s += kChunk) {
           const int n = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
-            A* p = panel + i * ld + (s - base);
-            post_fn(post, post_rows[i], s, n, p, hs, p, hs, tile_scale + i * M, scratch);
+            A* p = slab + i * rs + (s - cs);
+            // The slab was written in pass 1, long enough ago to have left the cache.
+            if (i + 1 < hi) prefetch_rows(p + rs, M, tw, n * index_t(sizeof(A)));
+            post_fn(post, post_rows[i], s, n, p, tw, p, tw, tile_scale + i * M, scratch);
           }
         }
       } else {
         for (index_t i = 0; i < nr; ++i)
           for (index_t m = 0; m < M; ++m)
-            Segment<A>(panel + m * hs + i * ld + (cs - base), ce - cs) *= tile_scale[i * M + m];
+            Segment<A>(slab + i * rs + m * tw, ce - cs) *= tile_scale[i * M + m];
       }
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          gemm_ab<A>(nr, Dv, n, panel + m * hs + (s - base), ld, 1, row_ptr(v, b, h / group_of_kv, p),
-                     v.stride[2], out_rows(m), ldo, true, kt);
+          gemm_ab<A>(nr, Dv, n, slab + m * tw + (s - cs), rs, 1, row_ptr(v, b, h / group_of_kv, p),
+                     v.stride[2], out_rows(m), ldo, true, kt, A(1), next_head(v, m, p));
         });
       }
     }
@@ -294,8 +312,8 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   const RowMask mask(cfg, d.T, d.S);
   const A scale = default_scale<A>(cfg.scale, d.D);
   const index_t items = d.B * d.G;
-  index_t Bq, ld, tile;
-  ForwardWorkspace<A>::layout(d, mask, Bq, ld, tile);
+  index_t Bq, tile;
+  ForwardWorkspace<A>::layout(d, mask, Bq, tile);
   const index_t blocks = (d.T + Bq - 1) / Bq;
 
   if (independent_items(items, nt)) {
@@ -306,7 +324,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
       ws.init(d, mask, 1);
       ComposeSides<A> sides;
       sides.init(d, cw, ring);
-      ForwardRows<A> rows(sides, ws.Bq, d.M, ws.ld, d.D, d.Dv, ws.tile);
+      ForwardRows<A> rows(sides, ws.Bq, d.M, ws.tiles, d.D, d.Dv, ws.tile);
 #pragma omp for schedule(dynamic, 1)
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
@@ -327,7 +345,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
       const Team team{thread_id(), team_size()};
       ForwardWorkspace<A> ws;
       ws.init(d, mask, 1);
-      ForwardRows<A> rows(sides, ws.Bq, d.M, ws.ld, d.D, d.Dv, ws.tile);
+      ForwardRows<A> rows(sides, ws.Bq, d.M, ws.tiles, d.D, d.Dv, ws.tile);
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
         sides.load(team, cw, d.S, b, g, ring);
@@ -344,7 +362,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};
-    ForwardRows<A> rows(sides, ws.Bq, d.M, ws.ld, d.D, d.Dv, ws.tile);
+    ForwardRows<A> rows(sides, ws.Bq, d.M, ws.tiles, d.D, d.Dv, ws.tile);
     for (index_t it = 0; it < items; ++it) {
       const index_t b = it / d.G, g = it % d.G;
       sides.load(team, cw, d.S, b, g, ring);

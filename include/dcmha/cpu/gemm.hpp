@@ -15,6 +15,7 @@
 
 #include "../tensor.hpp"
 #include "simd.hpp"
+#include "tile.hpp"
 
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -57,8 +58,13 @@ inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index
                      index_t ldb, A* c, index_t ldc, bool accumulate) {
   constexpr int RB = kNnRows;
   index_t i = 0;
-  for (; i + RB <= rows; i += RB)
+  for (; i + RB <= rows; i += RB) {
+    // Accumulated C rows are often far apart (the caller's output rows, 16 KiB at H32/D128) and
+    // out of L1: ask for the next block's while this one computes.
+    if (accumulate)
+      for (index_t r = i + RB; r < std::min(rows, i + 2 * RB); ++r) __builtin_prefetch(c + r * ldc, 1, 3);
     nn_block<A, RB, CB>(depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc, accumulate);
+  }
   const A* ai = a + i * ars;
   A* ci = c + i * ldc;
   switch (rows - i) {
@@ -79,12 +85,20 @@ inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index
 /// feeds (one transpose per element against `rows` multiply-adds); dot products along the depth
 /// instead need a horizontal reduction per output and two loads per multiply-add (measured 33
 /// against 54 GFLOP/s for gemm_nn on one core).
+///
+/// `next` (optional, same ldb): the rows the following call will pack. They are asked for here,
+/// a few rows per packed row, so they arrive during the product this tile feeds: every query
+/// block of a DCMHA group reads all M heads' K and V, more than the caches hold, and the rows
+/// are pages apart, where hardware prefetchers stop (packing was latency-bound, perf).
 template <class A>
-void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha, A* bt, index_t ldt) {
+void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha, A* bt, index_t ldt,
+                     const A* next = nullptr) {
+  const index_t row_bytes = depth * index_t(sizeof(A));
   index_t j = 0;
 #if defined(__AVX__)
   if constexpr (std::is_same_v<A, float>) {
     for (; j + 8 <= n; j += 8) {
+      if (next) prefetch_rows(next + j * ldb, 8, ldb, row_bytes);
       index_t d = 0;
       for (; d + 8 <= depth; d += 8) {
         const __m256 s = _mm256_set1_ps(alpha);
@@ -110,6 +124,7 @@ void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha,
     }
   }
 #endif
+  if (next) prefetch_rows(next + j * ldb, n - j, ldb, row_bytes);
   for (; j < n; ++j)
     for (index_t d = 0; d < depth; ++d) bt[d * ldt + j] = alpha * b[j * ldb + d];
 }
@@ -118,10 +133,12 @@ void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha,
 /// contiguous. Caller rows are often far apart (the (B, T, H, D) layout puts 16 KiB between the
 /// rows of one head at H32/D128), one page each: read in place by every row block of a product,
 /// they missed the TLB on most loads (measured: 30% of the forward's time on one load).
+/// `next`: as for pack_transposed.
 template <class A>
 void pack_rows(index_t n, index_t cols, const A* src, index_t lds, A* dst, index_t ldd,
-               A alpha = A(1)) {
+               A alpha = A(1), const A* next = nullptr) {
   for (index_t j = 0; j < n; ++j) {
+    if (next) prefetch_bytes(next + j * lds, cols * index_t(sizeof(A)));
     if (alpha == A(1)) {
       std::copy(src + j * lds, src + j * lds + cols, dst + j * ldd);
     } else {
@@ -208,11 +225,12 @@ namespace dcmha::cpu {
 
 /// C = alpha A B^T, rows x n over `depth` (scores Q K^T, dP' = dO V^T). B's n rows are transposed
 /// into `buf` (depth x n values) that all rows share, unless there are too few rows to share it.
+/// `next`: see pack_transposed.
 template <class A>
 void gemm_abt(index_t rows, index_t n, index_t depth, const A* a, index_t lda, const A* b,
-              index_t ldb, A* c, index_t ldc, A alpha, A* buf) {
+              index_t ldb, A* c, index_t ldc, A alpha, A* buf, const A* next = nullptr) {
   if (rows < kPackMinRows) return gemm_nt_few_rows<A>(rows, n, depth, a, lda, b, ldb, c, ldc, alpha);
-  pack_transposed<A>(n, depth, b, ldb, alpha, buf, n);
+  pack_transposed<A>(n, depth, b, ldb, alpha, buf, n, next);
   gemm_nn<A>(rows, n, depth, a, lda, 1, buf, n, c, ldc, false);
 }
 
@@ -221,10 +239,10 @@ void gemm_abt(index_t rows, index_t n, index_t depth, const A* a, index_t lda, c
 template <class A>
 void gemm_ab(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
              const A* b, index_t ldb, A* c, index_t ldc, bool accumulate, A* buf,
-             A alpha = A(1)) {
+             A alpha = A(1), const A* next = nullptr) {
   if (rows < kPackMinRows && alpha == A(1))
     return gemm_nn<A>(rows, ncol, depth, a, ars, acs, b, ldb, c, ldc, accumulate);
-  pack_rows<A>(depth, ncol, b, ldb, buf, ncol, alpha);
+  pack_rows<A>(depth, ncol, b, ldb, buf, ncol, alpha, next);
   gemm_nn<A>(rows, ncol, depth, a, ars, acs, buf, ncol, c, ldc, accumulate);
 }
 

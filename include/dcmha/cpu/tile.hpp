@@ -40,6 +40,27 @@ inline S* row_ptr(const TensorView<S, 4>& x, index_t b, index_t h, index_t t) {
   return x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2];
 }
 
+/// Asks for the cache lines of [p, p + bytes) ahead of use (into L2: they are read a little
+/// later, by a product or a Compose pass that has other data in L1). Hardware prefetchers stop
+/// at page boundaries, and the kernels' streams are short runs pages apart (one row of K or V
+/// per caller row, one panel row per query row): without this each run starts with a full
+/// memory latency, and packing all heads' K and V per query block was latency-bound (perf).
+inline void prefetch_bytes(const void* p, index_t bytes) {
+#if defined(__GNUC__)
+  const char* c = static_cast<const char*>(p);
+  for (index_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
+/// prefetch_bytes for `rows` rows of `bytes` each, `stride` elements apart.
+template <class S>
+inline void prefetch_rows(const S* p, index_t rows, index_t stride, index_t bytes) {
+  for (index_t r = 0; r < rows; ++r) prefetch_bytes(p + r * stride, bytes);
+}
+
 /// Kernel workspace. Eigen's vectorized reductions (sum, maxCoeff) start their packets at the
 /// first aligned element, so their summation order depends on the address: buffers with a fixed
 /// alignment keep results bitwise reproducible from call to call.
