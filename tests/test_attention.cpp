@@ -137,10 +137,12 @@ TYPED_TEST(AttentionVsReference, KeyTileEdges) {
 TYPED_TEST(AttentionVsReference, ProductTileEdges) {
   // The tile products (cpu/gemm.hpp): 8x8 transposes plus a scalar tail when D is not a multiple
   // of 8, 6-row blocks plus a remainder, 8-lane column strips plus scalar columns (Dv = 13), and
-  // the few-rows path (T < 8). M = 8 and 64-row blocks give 256-key tiles: S = 255 / 256 / 257
-  // is one tile, exactly one, one plus a key; 600 crosses two tile boundaries, so the online
-  // softmax rescales earlier tiles' sums (and their factors in pass 2).
-  for (int64_t S : {255, 256, 257, 600}) {
+  // the few-rows path (T < 8). M = 8 and 64-row blocks give 256-key forward tiles: S = 255 / 256 /
+  // 257 is one tile, exactly one, one plus a key; 600 crosses two tile boundaries, so the online
+  // softmax rescales earlier tiles' sums (and their factors in pass 2). The backward's tiles hold
+  // three panels, 160 keys here: S = 161 is one plus a key, 600 crosses three boundaries (one
+  // thread) or one per thread's share (two).
+  for (int64_t S : {161, 255, 256, 257, 600}) {
     for (int64_t T : {int64_t(5), S}) {
       ProblemSpec s;
       s.B = 1; s.H = 8; s.Hk = 4; s.T = T; s.S = S; s.D = 20; s.Dv = 13; s.G = 1; s.Rq = 2; s.Rk = 1;

@@ -87,10 +87,11 @@ void zero_rows(const TensorView<T, 4>& x, int tid, int nth) {
 /// Buffers one team shares while it works on one (batch, group).
 template <class A>
 struct BackwardWorkspace {
-  index_t Bq = 0, ld = 0, hs = 0;
+  index_t Bq = 0, tile = 0, rs = 0, slab = 0, tiles = 0;
   ComposeSide<A> pre, post;
   ComposeKeyGrads<A> pre_kg, post_kg;
-  Buffer<A> Lp, Pp, dPp;  // [m][row][key]
+  // Panels as in the forward: one slab per key tile, [rank][tile][row][m][key in tile].
+  Buffer<A> Lp, Pp, dPp;
   Buffer<A> d_part;       // [rank][m][row]
   Buffer<A> dq_part;      // [rank][m][row][D]
   // Two sets, alternating by block: a thread may start the next block while others still sum
@@ -103,15 +104,22 @@ struct BackwardWorkspace {
     const index_t M = d.M;
     // One team shares the three panels, so they get a larger budget than one forward panel.
     Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(64)), d.T, 3, index_t(48) << 20);
-    ld = padded_stride<A>(mask.max_block_keys(Bq));  // panel row: one block's keys
-    hs = padded_stride<A>(Bq * ld);
+    // Keys per tile: the tile's slabs of the three panels (3 x M x Bq x tile values) are
+    // produced and consumed while they are in L2, as in the forward. Whole-panel sweeps made
+    // every Compose step of the backward wait on memory (perf: half of its time on the panel loads).
+    const index_t fit = (index_t(1024) << 10) / index_t(sizeof(A)) / (3 * M * Bq);
+    tile = std::max<index_t>(32, std::min<index_t>(256, fit / 32 * 32));
+    rs = padded_stride<A>(M * tile);
+    slab = Bq * rs;
+    const index_t units = (mask.max_block_keys(Bq) + 15) / 16;
+    tiles = ((units + team_size - 1) / team_size * 16 + tile - 1) / tile;
     pre.init(cw.pre, M, padded_stride<A>(d.S));  // key-wise terms of every key
     post.init(cw.post, M, padded_stride<A>(d.S));
     if (pre.has_k) pre_kg.init(pre);
     if (post.has_k) post_kg.init(post);
-    Lp.assign(pre.on ? M * hs : 0, A(0));
-    Pp.assign(M * hs, A(0));
-    dPp.assign(M * hs, A(0));
+    Lp.assign(pre.on ? team_size * tiles * slab : 0, scratch_init<A>());
+    Pp.assign(team_size * tiles * slab, scratch_init<A>());
+    dPp.assign(team_size * tiles * slab, scratch_init<A>());
     d_part.assign(team_size * M * Bq, A(0));
     dq_part.assign(team_size * M * Bq * d.D, A(0));
     pre_rg.resize(2 * team_size * Bq);
@@ -119,11 +127,17 @@ struct BackwardWorkspace {
     for (auto& r : pre_rg) r.init(pre);
     for (auto& r : post_rg) r.init(post);
   }
+  A* slab_of(Buffer<A>& panel, int rank, index_t t) { return panel.data() + (rank * tiles + t) * slab; }
 };
 
 /// One (batch, group): every query block of it, the keys shared across the team. dK and dV of
 /// the group's kv heads must be zero on entry. dw_pre / dw_post: this thread's accumulators of
 /// the static weights' gradients for group g (M x M), or null.
+///
+/// Per block, two passes over this thread's key tiles, as in the forward. Pass 1: L, P (from the
+/// saved statistics), dP' = dO V^T, dV += P'^T dO, dP = Compose_post^T(dP'), and this thread's part
+/// of D = sum_s P dP. Pass 2, once D is summed over the team: dL' = P (dP - D),
+/// dL = Compose_pre^T(dL'), dK += dL^T Q, this thread's part of dQ = dL K.
 template <class T, class A>
 void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& mask, A scale,
                     const detail::AttentionDims& d, index_t b, index_t g, TensorView<const T, 4> q,
@@ -133,15 +147,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
                     A* dw_pre, A* dw_post) {
   using namespace detail_bwd;
   const int tid = team.rank, nth = team.size;
-  const index_t M = d.M, D = d.D, group_of_kv = d.H / d.Hk;
-  const index_t Bq = ws.Bq, ld = ws.ld, hs = ws.hs;
-  constexpr index_t kTile = 2 * kChunk;  // keys per P' tile feeding the dV product
-  constexpr index_t kProductTile = 128;  // keys per packed K / V tile of the score products
+  const index_t M = d.M, D = d.D, Dv = d.Dv, group_of_kv = d.H / d.Hk;
+  const index_t Bq = ws.Bq, tw = ws.tile, rs = ws.rs;
   ComposeSide<A>& pre = ws.pre;
   ComposeSide<A>& post = ws.post;
-  A* Lp = ws.Lp.data();
-  A* Pp = ws.Pp.data();
-  A* dPp = ws.dPp.data();
 
   std::vector<ComposeRow<A>> pre_rows(Bq), post_rows(Bq);
   for (auto& r : pre_rows) r.init(pre);
@@ -149,13 +158,18 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   Buffer<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
   const ComposeFn<A> pre_fn(pre), post_fn(post);
   const ComposeBackwardFn<A> pre_bwd(pre), post_bwd(post);
-  const index_t ptile_hs = padded_stride<A>(Bq * kTile);
-  Buffer<A> ptile(post.on ? M * ptile_hs : 0);
-  // Packed operands of the tile products (gemm.hpp): a key tile of K or V, transposed or not,
-  // and this block's rows of Q (scaled) and dO.
-  const index_t DD = std::max(D, d.Dv);
-  Buffer<A> kbuf(DD * kProductTile), qbuf(Bq * D), obuf(Bq * d.Dv), obuf_all(post.on ? M * Bq * d.Dv : 0);
+  Buffer<A> ptile(post.on ? ws.slab : 0, scratch_init<A>());  // P' of one tile, [row][m][key]
+  // Packed operands of the tile products (gemm.hpp): a key tile of K or V, and this block's rows
+  // of Q (scaled) and dO for every head, packed once per block and shared by every tile.
+  Buffer<A> kbuf(std::max(D, Dv) * tw, scratch_init<A>()), qall(M * Bq * D, scratch_init<A>()),
+      oall(M * Bq * Dv, scratch_init<A>());
+  Buffer<A> row_d(Bq * M);  // [row][m]: D summed over the team
   A* my_d = ws.d_part.data() + tid * M * Bq;
+  // The same keys of the next kv head, for the packing routines to prefetch (null: none left).
+  auto next_head = [&](const TensorView<const T, 4>& x, index_t m, index_t p) -> const T* {
+    const index_t hk = (g * M + m) / group_of_kv, hn = (g * M + m + 1) / group_of_kv;
+    return m + 1 < M && hn != hk ? row_ptr(x, b, hn, p) : nullptr;
+  };
 
   index_t s0, s1;
   split_range(0, d.S, tid, nth, 1, s0, s1);
@@ -167,12 +181,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   for (index_t t0 = 0; t0 < d.T; t0 += Bq) {
     const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
     const KeyRange keys = mask.rows(b, t0, t1);
-    const index_t base = keys.begin;  // panel column 0 holds this key
     index_t lo, hi;
     mask.live_rows(b, t0, t1, lo, hi);
     index_t c0, c1;
     split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
-    const index_t w = c1 - c0;
     const index_t set = (t0 / Bq) % 2 * nth * Bq;
     ComposeRowGrads<A>* my_pre_rg = ws.pre_rg.data() + set + tid * Bq;
     ComposeRowGrads<A>* my_post_rg = ws.post_rg.data() + set + tid * Bq;
@@ -182,110 +194,127 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       if (pre.has_q) my_pre_rg[i].zero();
       if (post.has_q) my_post_rg[i].zero();
     }
-
-    // 1. L, P (from the saved statistics), dP' = dO V^T, dV += P'^T dO, dP, D.
-    A* Ls = pre.on ? Lp : Pp;
-    for (index_t m = 0; m < M && w > 0; ++m) {
-      const index_t h = g * M + m, hk = h / group_of_kv;
-      for (index_t ts = c0; ts < c1; ts += kProductTile) {
-        const index_t tw = std::min(kProductTile, c1 - ts);
-        gemm_abt<A>(nr, tw, D, row_ptr(q, b, h, t0), q.stride[2], row_ptr(k, b, hk, ts), k.stride[2],
-                    Ls + m * hs + (ts - base), ld, scale, kbuf.data());
-        gemm_abt<A>(nr, tw, d.Dv, row_ptr(dout, b, h, t0), dout.stride[2], row_ptr(v, b, hk, ts),
-                    v.stride[2], dPp + m * hs + (ts - base), ld, A(1), kbuf.data());
-      }
-    }
-    if (pre.on)
-      for (index_t cs = c0; cs < c1; cs += kChunk) {
-        const int n = int(std::min<index_t>(kChunk, c1 - cs));
-        for (index_t i = lo; i < hi; ++i)
-          pre_fn(pre, pre_rows[i], cs, n, Lp + i * ld + (cs - base), hs, Pp + i * ld + (cs - base), hs, nullptr,
-                 scratch.data());
-      }
-    for (index_t i = 0; i < nr; ++i) {
-      const KeyRange r = mask.row(b, t0 + i);
-      const index_t vb = std::max(r.begin, c0), ve = std::min(r.end, c1);
+    for (index_t j = 0; j < M * Bq; ++j) my_d[j] = A(0);
+    if (c1 > c0)
       for (index_t m = 0; m < M; ++m) {
-        A* row = Pp + m * hs + i * ld;  // column s - base holds key s
-        if (ve > vb) {
-          Segment<A> p(row + (vb - base), ve - vb);
-          p = (p - lse(b, g * M + m, t0 + i)).exp();
-        }
-        for (index_t s = c0; s < std::min(vb, c1); ++s) row[s - base] = A(0);
-        for (index_t s = std::max(ve, c0); s < c1; ++s) row[s - base] = A(0);
+        const index_t h = g * M + m;
+        pack_rows<A>(nr, D, row_ptr(q, b, h, t0), q.stride[2], qall.data() + m * Bq * D, D, scale);
+        pack_rows<A>(nr, Dv, row_ptr(dout, b, h, t0), dout.stride[2], oall.data() + m * Bq * Dv, Dv);
       }
-    }
-    for (index_t m = 0; m < M && w > 0 && !post.on; ++m) {
-      const index_t h = g * M + m, hk = h / group_of_kv;
-      gemm_ab<A>(w, d.Dv, nr, Pp + m * hs + (c0 - base), 1, ld, row_ptr(dout, b, h, t0), dout.stride[2],
-                 row_ptr(dv, b, hk, c0), dv.stride[2], true, obuf.data());
-    }
-    if (post.on) {
-      for (index_t ts = c0; ts < c1; ts += kTile) {
-        const index_t tw = std::min(kTile, c1 - ts);
-        for (index_t cs = ts; cs < ts + tw; cs += kChunk) {
-          const int n = int(std::min<index_t>(kChunk, ts + tw - cs));
+
+    // Pass 1.
+    for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
+      const index_t ce = std::min(c1, cs + tw), n = ce - cs;
+      A* Ps = ws.slab_of(ws.Pp, tid, tile);  // Ps[i * rs + m * tw + (s - cs)] holds key s
+      A* Ls = pre.on ? ws.slab_of(ws.Lp, tid, tile) : Ps;
+      A* dPs = ws.slab_of(ws.dPp, tid, tile);
+      for (index_t m = 0; m < M; ++m) {
+        const index_t h = g * M + m, hk = h / group_of_kv;
+        gemm_abt<A>(nr, n, D, row_ptr(q, b, h, t0), q.stride[2], row_ptr(k, b, hk, cs), k.stride[2],
+                    Ls + m * tw, rs, scale, kbuf.data(), next_head(k, m, cs));
+        gemm_abt<A>(nr, n, Dv, oall.data() + m * Bq * Dv, Dv, row_ptr(v, b, hk, cs), v.stride[2],
+                    dPs + m * tw, rs, A(1), kbuf.data(), next_head(v, m, cs));
+      }
+      // Chunks outer: a chunk's key-wise terms stay in L1 while every row uses them.
+      if (pre.on)
+        for (index_t s = cs; s < ce; s += kChunk) {
+          const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i)
-            post_fn(post, post_rows[i], cs, n, Pp + i * ld + (cs - base), hs,
-                    ptile.data() + i * kTile + (cs - ts), ptile_hs, nullptr, scratch.data());
+            pre_fn(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, Ps + i * rs + (s - cs), tw,
+                   nullptr, scratch.data());
         }
-        for (index_t m = 0; m < M && hi > lo; ++m) {
-          const index_t h = g * M + m, hk = h / group_of_kv;
-          // dO rows of this head, packed once per block and reused by every tile.
-          A* om = obuf_all.data() + m * Bq * d.Dv;
-          if (ts == c0) pack_rows<A>(hi - lo, d.Dv, row_ptr(dout, b, h, t0 + lo), dout.stride[2], om, d.Dv);
-          gemm_nn<A>(tw, d.Dv, hi - lo, ptile.data() + m * ptile_hs + lo * kTile, 1, kTile, om, d.Dv,
-                     row_ptr(dv, b, hk, ts), dv.stride[2], true);
-        }
-      }
-      for (index_t cs = c0; cs < c1; cs += kChunk) {
-        const int n = int(std::min<index_t>(kChunk, c1 - cs));
-        for (index_t i = lo; i < hi; ++i) {
-          A* gp = dPp + i * ld + (cs - base);
-          post_bwd(post, post_rows[i], cs, n, Pp + i * ld + (cs - base), hs, gp, hs, gp, hs,
-                                 my_post_rg[i], ws.post_kg, dw_post, scratch.data());
+      for (index_t i = 0; i < nr; ++i) {
+        const KeyRange r = mask.row(b, t0 + i);
+        const index_t vb = std::max(r.begin, cs), ve = std::min(r.end, ce);
+        for (index_t m = 0; m < M; ++m) {
+          A* row = Ps + i * rs + m * tw - cs;  // row[s] holds key s
+          if (ve > vb) {
+            Segment<A> p(row + vb, ve - vb);
+            p = (p - lse(b, g * M + m, t0 + i)).exp();
+          }
+          for (index_t s = cs; s < std::min(vb, ce); ++s) row[s] = A(0);
+          for (index_t s = std::max(ve, cs); s < ce; ++s) row[s] = A(0);
         }
       }
-    }
-    for (index_t m = 0; m < M; ++m)
+      if (!post.on) {
+        for (index_t m = 0; m < M; ++m)
+          gemm_nn<A>(n, Dv, nr, Ps + m * tw, 1, rs, oall.data() + m * Bq * Dv, Dv,
+                     row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true);
+      } else {
+        for (index_t s = cs; s < ce; s += kChunk) {
+          const int nc = int(std::min<index_t>(kChunk, ce - s));
+          for (index_t i = lo; i < hi; ++i)
+            post_fn(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, ptile.data() + i * rs + (s - cs),
+                    tw, nullptr, scratch.data());
+        }
+        for (index_t m = 0; m < M && hi > lo; ++m)
+          gemm_nn<A>(n, Dv, hi - lo, ptile.data() + lo * rs + m * tw, 1, rs, oall.data() + (m * Bq + lo) * Dv,
+                     Dv, row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true);
+        for (index_t s = cs; s < ce; s += kChunk) {
+          const int nc = int(std::min<index_t>(kChunk, ce - s));
+          for (index_t i = lo; i < hi; ++i) {
+            A* gp = dPs + i * rs + (s - cs);
+            post_bwd(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, gp, tw, gp, tw, my_post_rg[i],
+                     ws.post_kg, dw_post, scratch.data());
+          }
+        }
+      }
       for (index_t i = 0; i < nr; ++i)
-        my_d[m * Bq + i] = w > 0 ? (Segment<A>(Pp + m * hs + i * ld + (c0 - base), w) *
-                                    Segment<A>(dPp + m * hs + i * ld + (c0 - base), w)).sum()
-                                 : A(0);
+        for (index_t m = 0; m < M; ++m)
+          my_d[m * Bq + i] += (Segment<A>(Ps + i * rs + m * tw, n) * Segment<A>(dPs + i * rs + m * tw, n)).sum();
+    }
     team.sync();
 
-    // 2. dL' = P (dP - D), dL = Compose_pre^T(dL'), dK += dL^T Q, this thread's part of dQ.
-    for (index_t m = 0; m < M && w > 0; ++m)
-      for (index_t i = 0; i < nr; ++i) {
+    // Pass 2.
+    for (index_t i = 0; i < nr; ++i)
+      for (index_t m = 0; m < M; ++m) {
         A Dm = 0;
         for (int j = 0; j < nth; ++j) Dm += ws.d_part[(j * M + m) * Bq + i];
-        Segment<A> dp(dPp + m * hs + i * ld + (c0 - base), w);
-        dp = Segment<A>(Pp + m * hs + i * ld + (c0 - base), w) * (dp - Dm);
+        row_d[i * M + m] = Dm;
       }
-    if (pre.on)
-      for (index_t cs = c0; cs < c1; cs += kChunk) {
-        const int n = int(std::min<index_t>(kChunk, c1 - cs));
-        for (index_t i = lo; i < hi; ++i) {
-          A* gp = dPp + i * ld + (cs - base);
-          pre_bwd(pre, pre_rows[i], cs, n, Lp + i * ld + (cs - base), hs, gp, hs, gp, hs,
-                                 my_pre_rg[i], ws.pre_kg, dw_pre, scratch.data());
+    // Alone on the group, a thread writes straight to the caller's gradient.
+    auto dq_rows = [&](index_t m) {
+      return nth == 1 ? row_ptr(dq, b, g * M + m, t0) : ws.dq_part.data() + (tid * M + m) * Bq * D;
+    };
+    const index_t ldq = nth == 1 ? dq.stride[2] : D;
+    if (c1 == c0)
+      for (index_t m = 0; m < M; ++m)
+        for (index_t i = 0; i < nr; ++i) std::fill(dq_rows(m) + i * ldq, dq_rows(m) + i * ldq + D, A(0));
+    for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
+      const index_t ce = std::min(c1, cs + tw), n = ce - cs;
+      A* Ps = ws.slab_of(ws.Pp, tid, tile);
+      A* Ls = pre.on ? ws.slab_of(ws.Lp, tid, tile) : Ps;
+      A* dPs = ws.slab_of(ws.dPp, tid, tile);
+      for (index_t i = 0; i < nr; ++i)
+        for (index_t m = 0; m < M; ++m) {
+          Segment<A> dp(dPs + i * rs + m * tw, n);
+          dp = Segment<A>(Ps + i * rs + m * tw, n) * (dp - row_d[i * M + m]);
         }
-      }
+      if (pre.on)
+        for (index_t s = cs; s < ce; s += kChunk) {
+          const int nc = int(std::min<index_t>(kChunk, ce - s));
+          for (index_t i = lo; i < hi; ++i) {
+            A* gp = dPs + i * rs + (s - cs);
+            pre_bwd(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, gp, tw, gp, tw, my_pre_rg[i],
+                    ws.pre_kg, dw_pre, scratch.data());
+          }
+        }
+      for (index_t m = 0; m < M; ++m)
+        gemm_nn<A>(n, D, nr, dPs + m * tw, 1, rs, qall.data() + m * Bq * D, D,
+                   row_ptr(dk, b, (g * M + m) / group_of_kv, cs), dk.stride[2], true);
+    }
+    // dQ = dL K head by head, after the tiles: per tile, every head's dQ rows (M x Bq x D values,
+    // more than L2) would be read and written again; this way one head's stay in L1 and the
+    // tiles' dL, read once more, are asked for ahead.
     for (index_t m = 0; m < M; ++m) {
-      const index_t h = g * M + m, hk = h / group_of_kv;
-      const A* dL = dPp + m * hs + (c0 - base);
-      if (w > 0)
-        gemm_ab<A>(w, D, nr, dL, 1, ld, row_ptr(q, b, h, t0), q.stride[2], row_ptr(dk, b, hk, c0),
-                   dk.stride[2], true, qbuf.data(), scale);
-      // Alone on the group, a thread writes straight to the caller's gradient.
-      A* dQ = nth == 1 ? row_ptr(dq, b, h, t0) : ws.dq_part.data() + (tid * M + m) * Bq * D;
-      const index_t ldq = nth == 1 ? dq.stride[2] : D;
-      if (w == 0)
-        for (index_t i = 0; i < nr; ++i) std::fill(dQ + i * ldq, dQ + i * ldq + D, A(0));
-      for (index_t ts = c0; ts < c1; ts += kProductTile) {
-        const index_t tw = std::min(kProductTile, c1 - ts);
-        gemm_ab<A>(nr, D, tw, dL + (ts - c0), ld, 1, row_ptr(k, b, hk, ts), k.stride[2], dQ, ldq,
-                   ts > c0, kbuf.data(), scale);
+      const index_t hk = (g * M + m) / group_of_kv;
+      for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
+        const index_t n = std::min(c1, cs + tw) - cs;
+        const A* dL = ws.slab_of(ws.dPp, tid, tile) + m * tw;
+        if (cs + tw < c1) prefetch_rows(dL + ws.slab, nr, rs, std::min(tw, c1 - cs - tw) * index_t(sizeof(A)));
+        else if (m + 1 < M) prefetch_rows(ws.slab_of(ws.dPp, tid, 0) + (m + 1) * tw, nr, rs, std::min(tw, c1 - c0) * index_t(sizeof(A)));
+        gemm_ab<A>(nr, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows(m), ldq, cs > c0,
+                   kbuf.data(), scale, cs + tw < c1 ? row_ptr(k, b, hk, cs + tw) : nullptr);
       }
     }
     for (index_t i = 0; i < nr; ++i) {

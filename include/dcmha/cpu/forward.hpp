@@ -80,7 +80,7 @@ struct ForwardWorkspace {
     const index_t units = (mask.max_block_keys(Bq) + 15) / 16;
     const index_t share = (units + team_size - 1) / team_size * 16;
     tiles = (share + tile - 1) / tile;
-    panel.assign(team_size * tiles * slab, A(0));
+    panel.assign(team_size * tiles * slab, scratch_init<A>());
     row_max.assign(team_size * d.M * Bq, A(0));
     row_sum.assign(team_size * d.M * Bq, A(0));
     o_part.assign(team_size * d.M * Bq * d.Dv, A(0));
@@ -135,7 +135,7 @@ struct ForwardRows {
     final_max.assign(Bq * M, A(0));
     tile_max.assign(tiles * M * Bq, A(0));
     scale.assign(Bq * M, A(0));
-    kt.assign(std::max(D, Dv) * tile, A(0));
+    kt.assign(std::max(D, Dv) * tile, scratch_init<A>());
   }
 };
 

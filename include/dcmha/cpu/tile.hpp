@@ -2,6 +2,7 @@
 // Eigen maps over caller tensors and kernel panels (row segments, the few Eigen products left),
 // row addresses, aligned workspace buffers.
 #include <Eigen/Core>
+#include <limits>
 #include <vector>
 
 #include "../tensor.hpp"
@@ -66,6 +67,19 @@ inline void prefetch_rows(const S* p, index_t rows, index_t stride, index_t byte
 /// alignment keep results bitwise reproducible from call to call.
 template <class S>
 using Buffer = std::vector<S, Eigen::aligned_allocator<S>>;
+
+/// What kernel panels and packing buffers start as. Their contents are scratch: every value is
+/// written before it is read. Tests define DCMHA_POISON_WORKSPACE so that a read of a value never
+/// written (a tile tail, a stale column of an earlier block) turns into a NaN in the results
+/// instead of silently reading the zeros an allocation happens to hold.
+template <class S>
+inline S scratch_init() {
+#ifdef DCMHA_POISON_WORKSPACE
+  return std::numeric_limits<S>::quiet_NaN();
+#else
+  return S(0);
+#endif
+}
 
 inline index_t round_up(index_t x, index_t m) { return (x + m - 1) / m * m; }
 
