@@ -7,7 +7,10 @@
 #   BUILD_DIR     build tree (default build-bench; kept apart from scripts/test.sh's build/)
 #   OUT_DIR       results: JSON, summary.txt, dcmha_bench.png (default $BUILD_DIR/results)
 #   BENCH_FILTER  --benchmark_filter regex for the timing run (default below)
-#   BENCH_REPS    repetitions of each timing benchmark (default 3)
+#   BENCH_REPS    repetitions of each timing benchmark (default 3). Repetitions of all the
+#                 benchmarks run interleaved in random order, so that a slow phase of a shared
+#                 machine hits MHA and DCMHA alike instead of one of a pair (the ratios moved by
+#                 up to 30% between back-to-back runs without it).
 #   BENCH_MEMORY  1 (default) also runs the T=16384 fwd+bwd memory case, 0 skips it
 #   JOBS          build parallelism (default: all cores)
 #   OMP_NUM_THREADS is honoured by the kernels and reported in the "threads" column.
@@ -52,6 +55,7 @@ status=0
 step "timing run: $BENCH_FILTER"
 "$BENCH" --benchmark_filter="$BENCH_FILTER" \
   --benchmark_repetitions="$BENCH_REPS" --benchmark_report_aggregates_only=true \
+  --benchmark_enable_random_interleaving=true \
   --benchmark_out="$OUT_DIR/timing.json" --benchmark_out_format=json || status=1
 jsons=("$OUT_DIR/timing.json")
 
