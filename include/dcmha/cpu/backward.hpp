@@ -285,16 +285,23 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       A* Ps = ws.slab_of(ws.Pp, tid, tile);
       A* Ls = pre.on ? ws.slab_of(ws.Lp, tid, tile) : Ps;
       A* dPs = ws.slab_of(ws.dPp, tid, tile);
-      for (index_t i = 0; i < nr; ++i)
+      // The slabs were written in pass 1, long enough ago to have left the cache.
+      for (index_t i = 0; i < nr; ++i) {
+        if (i + 1 < nr) {
+          prefetch_rows(Ps + (i + 1) * rs, M, tw, n * index_t(sizeof(A)));
+          prefetch_rows(dPs + (i + 1) * rs, M, tw, n * index_t(sizeof(A)));
+        }
         for (index_t m = 0; m < M; ++m) {
           Segment<A> dp(dPs + i * rs + m * tw, n);
           dp = Segment<A>(Ps + i * rs + m * tw, n) * (dp - row_d[i * M + m]);
         }
+      }
       if (pre.on)
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
             A* gp = dPs + i * rs + (s - cs);
+            if (i + 1 < hi) prefetch_rows(Ls + (i + 1) * rs + (s - cs), M, tw, nc * index_t(sizeof(A)));
             pre_bwd(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, gp, tw, gp, tw, my_pre_rg[i],
                     ws.pre_kg, dw_pre, scratch.data());
           }
