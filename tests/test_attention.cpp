@@ -238,13 +238,26 @@ TYPED_TEST(AttentionVsReference, PaddedBatches) {
         for (const auto& e : dcmha::test::gradient_errors(expected, tp.gradients()))
           EXPECT_LE(e.rel, tolerance<TypeParam>()) << e.name;
       }
-      if (!composed) continue;
-      // Padding rows' query-wise terms are whatever the caller's buffers hold: NaN there must
-      // not reach any output or gradient.
+      // Padding rows are whatever the caller's buffers hold: NaN in their Q, K, V, dO rows and
+      // query-wise terms must not reach any output or gradient (0 * NaN is NaN, so a kernel
+      // that multiplies a padding row by a zero probability still fails here).
       auto poisoned = p;
+      auto poisoned_dout = dout;
+      for (int64_t b = 0; b < s.B; ++b) {
+        for (int64_t h = 0; h < s.H; ++h)
+          for (int64_t t = c.ql[size_t(b)]; t < s.T; ++t) {
+            for (int64_t e = 0; e < s.D; ++e) poisoned.q[size_t(((b * s.H + h) * s.T + t) * s.D + e)] = NAN;
+            for (int64_t e = 0; e < s.Dv; ++e) poisoned_dout[size_t(((b * s.H + h) * s.T + t) * s.Dv + e)] = NAN;
+          }
+        for (int64_t h = 0; h < s.Hk; ++h)
+          for (int64_t t = c.kl[size_t(b)]; t < s.S; ++t) {
+            for (int64_t e = 0; e < s.D; ++e) poisoned.k[size_t(((b * s.Hk + h) * s.S + t) * s.D + e)] = NAN;
+            for (int64_t e = 0; e < s.Dv; ++e) poisoned.v[size_t(((b * s.Hk + h) * s.S + t) * s.Dv + e)] = NAN;
+          }
+      }
       const int64_t M = s.H / s.G;
       for (auto* side : {&poisoned.pre, &poisoned.post})
-        for (int64_t b = 0; b < s.B; ++b)
+        for (int64_t b = 0; b < s.B && composed; ++b)
           for (int64_t t = c.ql[size_t(b)]; t < s.T; ++t) {
             for (int64_t i = 0; i < s.G * s.Rq * M; ++i) {
               side->qw1[size_t((b * s.T + t) * s.G * s.Rq * M + i)] = NAN;
@@ -254,7 +267,7 @@ TYPED_TEST(AttentionVsReference, PaddedBatches) {
           }
       TypedProblem<TypeParam> tp(poisoned);
       tp.num_threads = 2;
-      tp.set_dout(dout);
+      tp.set_dout(poisoned_dout);
       dcmha::AttentionConfig cfg = tp.config();
       cfg.query_lengths = dcmha::view<1>(c.ql.data(), {3});
       cfg.key_lengths = dcmha::view<1>(c.kl.data(), {3});

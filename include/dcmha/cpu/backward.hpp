@@ -183,6 +183,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     const KeyRange keys = mask.rows(b, t0, t1);
     index_t lo, hi;
     mask.live_rows(b, t0, t1, lo, hi);
+    // Only rows [lo, hi) see keys. The others (padding, causal rows before the first key) get
+    // zero gradients and are never read: the caller's Q and dO rows there may hold anything,
+    // and a zero probability times a NaN is still NaN.
+    const index_t nl = std::max<index_t>(hi - lo, 0);
     index_t c0, c1;
     split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
     const index_t set = (t0 / Bq) % 2 * nth * Bq;
@@ -198,8 +202,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     if (c1 > c0)
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
-        pack_rows<A>(nr, D, row_ptr(q, b, h, t0), q.stride[2], qall.data() + m * Bq * D, D, scale);
-        pack_rows<A>(nr, Dv, row_ptr(dout, b, h, t0), dout.stride[2], oall.data() + m * Bq * Dv, Dv);
+        pack_rows<A>(nl, D, row_ptr(q, b, h, t0 + lo), q.stride[2], qall.data() + (m * Bq + lo) * D, D, scale);
+        pack_rows<A>(nl, Dv, row_ptr(dout, b, h, t0 + lo), dout.stride[2], oall.data() + (m * Bq + lo) * Dv, Dv);
       }
 
     // Pass 1.
@@ -210,10 +214,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       A* dPs = ws.slab_of(ws.dPp, tid, tile);
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m, hk = h / group_of_kv;
-        gemm_abt<A>(nr, n, D, row_ptr(q, b, h, t0), q.stride[2], row_ptr(k, b, hk, cs), k.stride[2],
-                    Ls + m * tw, rs, scale, kbuf.data(), next_head(k, m, cs));
-        gemm_abt<A>(nr, n, Dv, oall.data() + m * Bq * Dv, Dv, row_ptr(v, b, hk, cs), v.stride[2],
-                    dPs + m * tw, rs, A(1), kbuf.data(), next_head(v, m, cs));
+        gemm_abt<A>(nl, n, D, row_ptr(q, b, h, t0 + lo), q.stride[2], row_ptr(k, b, hk, cs), k.stride[2],
+                    Ls + lo * rs + m * tw, rs, scale, kbuf.data(), next_head(k, m, cs));
+        gemm_abt<A>(nl, n, Dv, oall.data() + (m * Bq + lo) * Dv, Dv, row_ptr(v, b, hk, cs), v.stride[2],
+                    dPs + lo * rs + m * tw, rs, A(1), kbuf.data(), next_head(v, m, cs));
       }
       // Chunks outer: a chunk's key-wise terms stay in L1 while every row uses them.
       if (pre.on)
@@ -238,7 +242,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       }
       if (!post.on) {
         for (index_t m = 0; m < M; ++m)
-          gemm_nn<A>(n, Dv, nr, Ps + m * tw, 1, rs, oall.data() + m * Bq * Dv, Dv,
+          gemm_nn<A>(n, Dv, nl, Ps + lo * rs + m * tw, 1, rs, oall.data() + (m * Bq + lo) * Dv, Dv,
                      row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true);
       } else {
         for (index_t s = cs; s < ce; s += kChunk) {
@@ -259,7 +263,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           }
         }
       }
-      for (index_t i = 0; i < nr; ++i)
+      for (index_t i = lo; i < hi; ++i)
         for (index_t m = 0; m < M; ++m)
           my_d[m * Bq + i] += (Segment<A>(Ps + i * rs + m * tw, n) * Segment<A>(dPs + i * rs + m * tw, n)).sum();
     }
@@ -277,17 +281,17 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       return nth == 1 ? row_ptr(dq, b, g * M + m, t0) : ws.dq_part.data() + (tid * M + m) * Bq * D;
     };
     const index_t ldq = nth == 1 ? dq.stride[2] : D;
-    if (c1 == c0)
-      for (index_t m = 0; m < M; ++m)
-        for (index_t i = 0; i < nr; ++i) std::fill(dq_rows(m) + i * ldq, dq_rows(m) + i * ldq + D, A(0));
+    for (index_t m = 0; m < M; ++m)
+      for (index_t i = 0; i < nr; ++i)
+        if (c1 == c0 || i < lo || i >= hi) std::fill(dq_rows(m) + i * ldq, dq_rows(m) + i * ldq + D, A(0));
     for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
       const index_t ce = std::min(c1, cs + tw), n = ce - cs;
       A* Ps = ws.slab_of(ws.Pp, tid, tile);
       A* Ls = pre.on ? ws.slab_of(ws.Lp, tid, tile) : Ps;
       A* dPs = ws.slab_of(ws.dPp, tid, tile);
       // The slabs were written in pass 1, long enough ago to have left the cache.
-      for (index_t i = 0; i < nr; ++i) {
-        if (i + 1 < nr) {
+      for (index_t i = lo; i < hi; ++i) {
+        if (i + 1 < hi) {
           prefetch_rows(Ps + (i + 1) * rs, M, tw, n * index_t(sizeof(A)));
           prefetch_rows(dPs + (i + 1) * rs, M, tw, n * index_t(sizeof(A)));
         }
@@ -307,7 +311,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           }
         }
       for (index_t m = 0; m < M; ++m)
-        gemm_nn<A>(n, D, nr, dPs + m * tw, 1, rs, qall.data() + m * Bq * D, D,
+        gemm_nn<A>(n, D, nl, dPs + lo * rs + m * tw, 1, rs, qall.data() + (m * Bq + lo) * D, D,
                    row_ptr(dk, b, (g * M + m) / group_of_kv, cs), dk.stride[2], true);
     }
     // dQ = dL K head by head, after the tiles: per tile, every head's dQ rows (M x Bq x D values,
@@ -317,10 +321,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       const index_t hk = (g * M + m) / group_of_kv;
       for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
         const index_t n = std::min(c1, cs + tw) - cs;
-        const A* dL = ws.slab_of(ws.dPp, tid, tile) + m * tw;
-        if (cs + tw < c1) prefetch_rows(dL + ws.slab, nr, rs, std::min(tw, c1 - cs - tw) * index_t(sizeof(A)));
-        else if (m + 1 < M) prefetch_rows(ws.slab_of(ws.dPp, tid, 0) + (m + 1) * tw, nr, rs, std::min(tw, c1 - c0) * index_t(sizeof(A)));
-        gemm_ab<A>(nr, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows(m), ldq, cs > c0,
+        const A* dL = ws.slab_of(ws.dPp, tid, tile) + lo * rs + m * tw;
+        if (cs + tw < c1) prefetch_rows(dL + ws.slab, nl, rs, std::min(tw, c1 - cs - tw) * index_t(sizeof(A)));
+        else if (m + 1 < M) prefetch_rows(ws.slab_of(ws.dPp, tid, 0) + lo * rs + (m + 1) * tw, nl, rs, std::min(tw, c1 - c0) * index_t(sizeof(A)));
+        gemm_ab<A>(nl, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows(m) + lo * ldq, ldq, cs > c0,
                    kbuf.data(), scale, cs + tw < c1 ? row_ptr(k, b, hk, cs + tw) : nullptr);
       }
     }
