@@ -182,6 +182,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     const KeyRange keys = mask.rows(b, t0, t1);
     index_t lo, hi;
     mask.live_rows(b, t0, t1, lo, hi);
+    // Only rows [lo, hi) see keys and enter the products; the others' probabilities are set to
+    // zero below and their output rows stay zero.
+    const index_t nl = std::max<index_t>(hi - lo, 0);
     index_t c0, c1;
     split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
     for (index_t i = 0; i < nr; ++i) {
@@ -200,8 +203,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          gemm_abt<A>(nr, n, d.D, row_ptr(q, b, h, t0), q.stride[2], row_ptr(k, b, h / group_of_kv, p),
-                      k.stride[2], slab + m * tw + (s - cs), rs, scale, kt, next_head(k, m, p));
+          gemm_abt<A>(nl, n, d.D, row_ptr(q, b, h, t0 + lo), q.stride[2], row_ptr(k, b, h / group_of_kv, p),
+                      k.stride[2], slab + lo * rs + m * tw + (s - cs), rs, scale, kt, next_head(k, m, p));
         });
       }
       // Chunks outer: a chunk's key-wise terms stay in L1 while every row of the block uses them.
@@ -289,8 +292,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          gemm_ab<A>(nr, Dv, n, slab + m * tw + (s - cs), rs, 1, row_ptr(v, b, h / group_of_kv, p),
-                     v.stride[2], out_rows(m), ldo, true, kt, A(1), next_head(v, m, p));
+          gemm_ab<A>(nl, Dv, n, slab + lo * rs + m * tw + (s - cs), rs, 1, row_ptr(v, b, h / group_of_kv, p),
+                     v.stride[2], out_rows(m) + lo * ldo, ldo, true, kt, A(1), next_head(v, m, p));
         });
       }
     }
