@@ -86,12 +86,11 @@ void zero_rows(const TensorView<T, 4>& x, int tid, int nth) {
 
 /// Buffers one team shares while it works on one (batch, group).
 template <class A>
-struct BackwardWorkspace {
-  index_t Bq = 0, tile = 0, rs = 0, slab = 0, tiles = 0;
+struct BackwardWorkspace : SlabLayout {
+  index_t Bq = 0;
   ComposeSide<A> pre, post;
   ComposeKeyGrads<A> pre_kg, post_kg;
-  // Panels as in the forward: one slab per key tile, [rank][tile][row][m][key in tile].
-  Buffer<A> Lp, Pp, dPp;
+  Buffer<A> Lp, Pp, dPp;  // [rank][tile][row][m][key], see SlabLayout
   Buffer<A> d_part;       // [rank][m][row]
   Buffer<A> dq_part;      // [rank][m][row][D]
   // Two sets, alternating by block: a thread may start the next block while others still sum
@@ -107,19 +106,14 @@ struct BackwardWorkspace {
     // Keys per tile: the tile's slabs of the three panels (3 x M x Bq x tile values) are
     // produced and consumed while they are in L2, as in the forward. Whole-panel sweeps made
     // every Compose step of the backward wait on memory (perf: half of its time on the panel loads).
-    const index_t fit = (index_t(1024) << 10) / index_t(sizeof(A)) / (3 * M * Bq);
-    tile = std::max<index_t>(32, std::min<index_t>(256, fit / 32 * 32));
-    rs = padded_stride<A>(M * tile);
-    slab = Bq * rs;
-    const index_t units = (mask.max_block_keys(Bq) + 15) / 16;
-    tiles = ((units + team_size - 1) / team_size * 16 + tile - 1) / tile;
+    init_slabs<A>(M, Bq, 3, index_t(1024) << 10, mask.max_block_keys(Bq), team_size);
     pre.init(cw.pre, M, padded_stride<A>(d.S));  // key-wise terms of every key
     post.init(cw.post, M, padded_stride<A>(d.S));
     if (pre.has_k) pre_kg.init(pre);
     if (post.has_k) post_kg.init(post);
-    Lp.assign(pre.on ? team_size * tiles * slab : 0, scratch_init<A>());
-    Pp.assign(team_size * tiles * slab, scratch_init<A>());
-    dPp.assign(team_size * tiles * slab, scratch_init<A>());
+    Lp.assign(pre.on ? panel_size(team_size) : 0, scratch_init<A>());
+    Pp.assign(panel_size(team_size), scratch_init<A>());
+    dPp.assign(panel_size(team_size), scratch_init<A>());
     d_part.assign(team_size * M * Bq, A(0));
     dq_part.assign(team_size * M * Bq * d.D, A(0));
     pre_rg.resize(2 * team_size * Bq);
@@ -127,7 +121,7 @@ struct BackwardWorkspace {
     for (auto& r : pre_rg) r.init(pre);
     for (auto& r : post_rg) r.init(post);
   }
-  A* slab_of(Buffer<A>& panel, int rank, index_t t) { return panel.data() + (rank * tiles + t) * slab; }
+  A* slab_of(Buffer<A>& panel, int rank, index_t t) { return panel.data() + slab_offset(rank, t); }
 };
 
 /// One (batch, group): every query block of it, the keys shared across the team. dK and dV of
@@ -165,10 +159,9 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       oall(M * Bq * Dv, scratch_init<A>());
   Buffer<A> row_d(Bq * M);  // [row][m]: D summed over the team
   A* my_d = ws.d_part.data() + tid * M * Bq;
-  // The same keys of the next kv head, for the packing routines to prefetch (null: none left).
-  auto next_head = [&](const TensorView<const T, 4>& x, index_t m, index_t p) -> const T* {
-    const index_t hk = (g * M + m) / group_of_kv, hn = (g * M + m + 1) / group_of_kv;
-    return m + 1 < M && hn != hk ? row_ptr(x, b, hn, p) : nullptr;
+  // The same keys of the next kv head, for the packing routines to prefetch.
+  auto next_head = [&](const TensorView<const T, 4>& x, index_t m, index_t p) {
+    return next_kv_rows(x, b, g * M + m, g * M + M, group_of_kv, p);
   };
 
   index_t s0, s1;

@@ -48,45 +48,61 @@ inline A default_scale(double scale, index_t D) {
   return scale > 0 ? A(scale) : A(1) / std::sqrt(A(D));
 }
 
-/// Buffers one team shares while it works on one (batch, group).
-///
-/// The panel is a sequence of slabs, one per key tile: slab [row][m][key in tile], so that the
-/// M heads of one row, which Compose reads together, are one contiguous run (M x tile values)
-/// and a tile's slab is one contiguous block. Head-major over the whole block instead
+/// Where forward and backward panels keep a block's values: one slab per key tile,
+/// [row][m][key in tile], so that the M heads of one row, which Compose reads together, are one
+/// contiguous run (M x tile values) and a tile's slab is one contiguous block; a rank's slabs
+/// follow each other, ranks one after another. Head-major over the whole block instead
 /// ([m][row][key]) put every head of a row in its own page: Compose missed the cache on half of
-/// its loads there (perf), and pass 2 read the panel back as M x Bq short streams.
+/// its loads there (perf), and later passes read the panel back as M x Bq short streams.
+struct SlabLayout {
+  index_t tile = 0;   // keys per tile
+  index_t rs = 0;     // one slab row: M x tile values, padded
+  index_t slab = 0;   // Bq rows
+  index_t tiles = 0;  // slabs per rank
+
+  /// Tiles of as many keys as keep `panels` slabs within `budget` bytes (32..256 keys), for
+  /// blocks of Bq rows that see at most `max_keys` keys, split across `team_size` ranks.
+  template <class A>
+  void init_slabs(index_t M, index_t Bq, index_t panels, index_t budget, index_t max_keys, int team_size) {
+    const index_t fit = budget / index_t(sizeof(A)) / (panels * M * Bq);
+    tile = std::max<index_t>(32, std::min<index_t>(256, fit / 32 * 32));
+    rs = padded_stride<A>(M * tile);  // off a power of two: the products write rows rs apart
+    slab = Bq * rs;
+    // The most keys split_range gives one rank (shares are whole 16-key units).
+    const index_t units = (max_keys + 15) / 16;
+    tiles = ((units + team_size - 1) / team_size * 16 + tile - 1) / tile;
+  }
+  index_t panel_size(int team_size) const { return team_size * tiles * slab; }
+  /// Offset of rank `rank`'s slab of tile number t; row i of it at + i * rs, head m's keys at + m * tile.
+  index_t slab_offset(int rank, index_t t) const { return (rank * tiles + t) * slab; }
+};
+
+/// Buffers one team shares while it works on one (batch, group).
 template <class A>
-struct ForwardWorkspace {
-  index_t Bq = 0, tile = 0, rs = 0, slab = 0, tiles = 0;
+struct ForwardWorkspace : SlabLayout {
+  index_t Bq = 0;
   Buffer<A> panel;             // [rank][tile][row][m][key]
   Buffer<A> row_max, row_sum;  // [rank][m][row]
   Buffer<A> o_part;            // [rank][m][row][Dv]
 
-  /// Rows per block and keys per tile of the two passes: a tile's slab, M x Bq x tile values,
-  /// is produced and consumed while it is still in L2 (half of it). Sweeping the whole panel
-  /// once per step instead made DCMHA memory-bound (tens of MiB at M = 32).
-  static void layout(const detail::AttentionDims& d, const RowMask& mask, index_t& Bq, index_t& tile) {
-    // The panel's cache footprint does not matter (slabs do), only its memory: 64 MiB.
-    Bq = query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1, index_t(64) << 20);
-    const index_t fit = (index_t(512) << 10) / index_t(sizeof(A)) / (d.M * Bq);
-    tile = std::max<index_t>(32, std::min<index_t>(256, fit / 32 * 32));
+  /// Rows per query block. The panel's cache footprint does not matter (slabs do), only its
+  /// memory: 64 MiB.
+  static index_t block_rows(const detail::AttentionDims& d, const RowMask& mask) {
+    return query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1, index_t(64) << 20);
   }
 
+  /// A tile's slab, M x Bq x tile values, is produced and consumed while it is still in L2 (half
+  /// of it). Sweeping the whole panel once per step instead made DCMHA memory-bound (tens of MiB
+  /// at M = 32).
   void init(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
-    layout(d, mask, Bq, tile);
-    rs = padded_stride<A>(d.M * tile);  // off a power of two: the products write rows rs apart
-    slab = Bq * rs;
-    // The most keys split_range gives one rank (shares are whole 16-key units).
-    const index_t units = (mask.max_block_keys(Bq) + 15) / 16;
-    const index_t share = (units + team_size - 1) / team_size * 16;
-    tiles = (share + tile - 1) / tile;
-    panel.assign(team_size * tiles * slab, scratch_init<A>());
+    Bq = block_rows(d, mask);
+    init_slabs<A>(d.M, Bq, 1, index_t(512) << 10, mask.max_block_keys(Bq), team_size);
+    panel.assign(panel_size(team_size), scratch_init<A>());
     row_max.assign(team_size * d.M * Bq, A(0));
     row_sum.assign(team_size * d.M * Bq, A(0));
     o_part.assign(team_size * d.M * Bq * d.Dv, A(0));
   }
-  /// Row i of the slab of this rank's tile number `t`; head m's keys start at + m * tile.
-  A* slab_row(int rank, index_t t, index_t i) { return panel.data() + (rank * tiles + t) * slab + i * rs; }
+  A* slab_of(int rank, index_t t) { return panel.data() + slab_offset(rank, t); }
 };
 
 /// Both sides' compose inputs of one (batch, group) in kernel layout; read-only once loaded.
@@ -171,10 +187,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
   const ComposeFn<A> pre_fn(pre), post_fn(post);
   A* my_max = ws.row_max.data() + tid * M * Bq;
   A* my_sum = ws.row_sum.data() + tid * M * Bq;
-  // The same keys of the next kv head, for the packing routines to prefetch (null: none left).
-  auto next_head = [&](const TensorView<const T, 4>& x, index_t m, index_t p) -> const T* {
-    const index_t hk = (g * M + m) / group_of_kv, hn = (g * M + m + 1) / group_of_kv;
-    return m + 1 < M && hn != hk ? row_ptr(x, b, hn, p) : nullptr;
+  // The same keys of the next kv head, for the packing routines to prefetch.
+  auto next_head = [&](const TensorView<const T, 4>& x, index_t m, index_t p) {
+    return next_kv_rows(x, b, g * M + m, g * M + M, group_of_kv, p);
   };
 
   for (index_t t0 = blk0 * Bq; t0 < std::min(d.T, blk1 * Bq); t0 += Bq) {
@@ -199,7 +214,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     // Pass 1: scores, Compose_pre, exponentials against the running maximum.
     for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
       const index_t ce = std::min(c1, cs + tw);
-      A* slab = ws.slab_row(tid, tile, 0);  // slab[i * rs + m * tw + (s - cs)] holds key s
+      A* slab = ws.slab_of(tid, tile);  // slab[i * rs + m * tw + (s - cs)] holds key s
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
@@ -267,7 +282,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       for (index_t i = 0; i < nr; ++i) std::fill(out_rows(m) + i * ldo, out_rows(m) + i * ldo + Dv, A(0));
     for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
       const index_t ce = std::min(c1, cs + tw);
-      A* slab = ws.slab_row(tid, tile, 0);
+      A* slab = ws.slab_of(tid, tile);
       const A* tmax = tile_max + tile * M * Bq;
       for (index_t i = 0; i < nr; ++i)
         for (index_t m = 0; m < M; ++m) {
@@ -315,8 +330,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   const RowMask mask(cfg, d.T, d.S);
   const A scale = default_scale<A>(cfg.scale, d.D);
   const index_t items = d.B * d.G;
-  index_t Bq, tile;
-  ForwardWorkspace<A>::layout(d, mask, Bq, tile);
+  const index_t Bq = ForwardWorkspace<A>::block_rows(d, mask);
   const index_t blocks = (d.T + Bq - 1) / Bq;
 
   if (independent_items(items, nt)) {

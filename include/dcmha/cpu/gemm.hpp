@@ -194,34 +194,24 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
       for (index_t i = 0; i < rows; ++i) std::fill(c + i * ldc, c + i * ldc + ncol, A(0));
     return;
   }
+  index_t j = 0;
 #ifdef DCMHA_HAS_VECTOR_EXTENSIONS
   using namespace detail_gemm;
   constexpr int L = Simd<A>::L;
   // Column strips outer: a strip of B (depth x CB vectors, 8 KiB at depth 128) stays in L1 while
   // every row block of A passes over it.
-  index_t j = 0;
   for (; j + kNnCols * L <= ncol; j += kNnCols * L)
     nn_strip<A, kNnCols>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, accumulate);
   for (; j + L <= ncol; j += L) nn_strip<A, 1>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, accumulate);
+#endif
+  // Columns left over (all of them without vector extensions).
   for (; j < ncol; ++j)
     for (index_t i = 0; i < rows; ++i) {
       A s = accumulate ? c[i * ldc + j] : A(0);
       for (index_t k = 0; k < depth; ++k) s += a[i * ars + k * acs] * b[k * ldb + j];
       c[i * ldc + j] = s;
     }
-#else
-  for (index_t i = 0; i < rows; ++i)
-    for (index_t j = 0; j < ncol; ++j) {
-      A s = accumulate ? c[i * ldc + j] : A(0);
-      for (index_t k = 0; k < depth; ++k) s += a[i * ars + k * acs] * b[k * ldb + j];
-      c[i * ldc + j] = s;
-    }
-#endif
 }
-
-}  // namespace dcmha::cpu
-
-namespace dcmha::cpu {
 
 /// C = alpha A B^T, rows x n over `depth` (scores Q K^T, dP' = dO V^T). B's n rows are transposed
 /// into `buf` (depth x n values) that all rows share, unless there are too few rows to share it.

@@ -41,6 +41,15 @@ inline S* row_ptr(const TensorView<S, 4>& x, index_t b, index_t h, index_t t) {
   return x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2];
 }
 
+/// Row p of the kv head serving query head h + 1 of batch b, if that is another kv head than
+/// head h's and h + 1 < h_end; else null. The packing routines prefetch it while packing head h's.
+template <class S>
+inline S* next_kv_rows(const TensorView<S, 4>& x, index_t b, index_t h, index_t h_end,
+                       index_t group_of_kv, index_t p) {
+  const index_t hk = h / group_of_kv, hn = (h + 1) / group_of_kv;
+  return h + 1 < h_end && hn != hk ? row_ptr(x, b, hn, p) : nullptr;
+}
+
 /// Asks for the cache lines of [p, p + bytes) ahead of use (into L2: they are read a little
 /// later, by a product or a Compose pass that has other data in L1). Hardware prefetchers stop
 /// at page boundaries, and the kernels' streams are short runs pages apart (one row of K or V
