@@ -57,15 +57,15 @@ void store_row_grads(const ComposeSide<A>& c, const ComposeRowGrads<A>* parts,
     for (index_t m = 0; m < M; ++m) {
       A s1 = 0, s2 = 0;
       for (int j = 0; j < nth; ++j) {
-        s1 += parts[j * stride + i].qw1[r * M + m];
-        s2 += parts[j * stride + i].qw2[r * M + m];
+        s1 += parts[j * stride + i].qw1()[r * M + m];
+        s2 += parts[j * stride + i].qw2()[r * M + m];
       }
       out.qw1(b, t, g, r, m) = T(s1);
       out.qw2(b, t, g, r, m) = T(s2);
     }
   for (index_t m = 0; m < M; ++m) {
     A s = 0;
-    for (int j = 0; j < nth; ++j) s += parts[j * stride + i].qdd[m];
+    for (int j = 0; j < nth; ++j) s += parts[j * stride + i].qdd()[m];
     out.qdd(b, t, g, m) = T(s);
   }
 }
@@ -320,10 +320,6 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         gemm_ab<A>(nl, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows(m) + lo * ldq, ldq, cs > c0,
                    kbuf.data(), scale, cs + tw < c1 ? row_ptr(k, b, hk, cs + tw) : nullptr);
       }
-    }
-    for (index_t i = 0; i < nr; ++i) {
-      if (pre.has_q) my_pre_rg[i].fold_lanes();
-      if (post.has_q) my_post_rg[i].fold_lanes();
     }
     team.sync();
 

@@ -120,8 +120,12 @@ struct ComposeSide {
 
  public:
   /// Scratch a chunk needs: hidden vectors for every rank, one M x kChunk block for the static
-  /// term and, last, one M x kChunk block where a scaled copy of the input may be staged.
-  index_t scratch_size() const { return (2 * (Rq + Rk) + 2 * M) * kChunk; }
+  /// term and, last, one M x kChunk block where a scaled copy of the input may be staged; or the
+  /// vectorized transpose's lane vectors of the query-wise gradients, if more.
+  index_t scratch_size() const {
+    const index_t lanes = (2 * Rq + 1) * M * index_t(kVectorBytes / sizeof(A));
+    return std::max((2 * (Rq + Rk) + 2 * M) * kChunk, lanes);
+  }
 };
 
 /// The query-wise terms of one row t.
@@ -216,38 +220,24 @@ inline void compose_chunk(const ComposeSide<A>& c, const ComposeRow<A>& q, index
   }
 }
 
-/// Gradient accumulators of one side's query-wise terms for one row. The vectorized backward
-/// adds lane vectors (kVectorBytes each) (`lanes`, [term][r][m][lane]) and folds them into the scalars once
-/// per row, instead of a horizontal sum per chunk.
+/// Gradient accumulators of one side's query-wise terms for one row, in one buffer:
+/// qw1 [r][m], then qw2 [r][m], then qdd [m] (the order compose_chunk_backward_registers
+/// reduces its lane vectors in).
 template <class A>
 struct ComposeRowGrads {
-  static constexpr index_t kLanes = index_t(kVectorBytes / sizeof(A));
-  std::vector<A> qw1, qw2, qdd;  // [r][m], [r][m], [m]
-  Buffer<A> lanes;               // qw1 [r][m][lane], then qw2 [r][m][lane], then qdd [m][lane]
+  Buffer<A> sums;
+  index_t n1 = 0;  // Rq * M
   void init(const ComposeSide<A>& c) {
-    qw1.assign(c.Rq * c.M, A(0));
-    qw2.assign(c.Rq * c.M, A(0));
-    qdd.assign(c.M, A(0));
-    lanes.assign((2 * c.Rq + 1) * c.M * kLanes, A(0));
+    n1 = c.Rq * c.M;
+    sums.assign(2 * n1 + c.M, A(0));
   }
-  void zero() {
-    std::fill(qw1.begin(), qw1.end(), A(0));
-    std::fill(qw2.begin(), qw2.end(), A(0));
-    std::fill(qdd.begin(), qdd.end(), A(0));
-    std::fill(lanes.begin(), lanes.end(), A(0));
-  }
-  /// Adds the lane vectors into the scalars (fixed order) and clears them.
-  void fold_lanes() {
-    const index_t n1 = index_t(qw1.size());
-    for (index_t i = 0; i < index_t(lanes.size()) / kLanes; ++i) {
-      A sum = 0;
-      for (index_t l = 0; l < kLanes; ++l) sum += lanes[i * kLanes + l];
-      if (i < n1) qw1[i] += sum;
-      else if (i < 2 * n1) qw2[i - n1] += sum;
-      else qdd[i - 2 * n1] += sum;
-    }
-    std::fill(lanes.begin(), lanes.end(), A(0));
-  }
+  void zero() { std::fill(sums.begin(), sums.end(), A(0)); }
+  A* qw1() { return sums.data(); }
+  A* qw2() { return sums.data() + n1; }
+  A* qdd() { return sums.data() + 2 * n1; }
+  const A* qw1() const { return sums.data(); }
+  const A* qw2() const { return sums.data() + n1; }
+  const A* qdd() const { return sums.data() + 2 * n1; }
 };
 
 /// Gradient accumulators of one side's key-wise terms for one (b, g), same layout as ComposeSide
@@ -316,8 +306,8 @@ inline void compose_chunk_backward(const ComposeSide<A>& c, const ComposeRow<A>&
         s1 += am[j] * e[j];  // d qw1[r][m]
         s2 += h[j] * gm[j];  // d qw2[r][m]
       }
-      rg.qw1[r * M + m] += s1;
-      rg.qw2[r * M + m] += s2;
+      rg.qw1()[r * M + m] += s1;
+      rg.qw2()[r * M + m] += s2;
     }
     for (index_t r = 0; r < Rk; ++r) {
       const A* h = kh + r * kChunk;
@@ -334,7 +324,7 @@ inline void compose_chunk_backward(const ComposeSide<A>& c, const ComposeRow<A>&
       A sd = 0;
 #pragma omp simd reduction(+ : sd)
       for (int j = 0; j < n; ++j) sd += am[j] * gm[j];
-      rg.qdd[m] += sd;
+      rg.qdd()[m] += sd;
     }
     if (c.has_k) {
       A* dd = kg.kdd.data() + m * ld + s;

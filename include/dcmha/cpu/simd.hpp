@@ -1,6 +1,11 @@
 #pragma once
 // Portable fixed-width vectors (GCC/Clang vector extensions) as wide as the enabled ISA.
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 #include "compose.hpp"  // kVectorBytes
 
@@ -31,6 +36,40 @@ inline typename Simd<A>::V vload(const A* p) {
 template <class A>
 inline void vstore(A* p, const typename Simd<A>::V& v) {
   std::memcpy(p, &v, sizeof(v));
+}
+
+/// out[k] += the sum of vector k's lanes, for `count` vectors at v (k-th at v + k * L).
+/// Groups of eight float vectors go through a transposing reduction (eight sums per group in
+/// about ten shuffles and adds instead of eight horizontal reductions).
+template <class A>
+inline void add_lane_sums(const A* v, index_t count, A* out) {
+  constexpr int L = Simd<A>::L;
+  index_t k = 0;
+#if defined(__AVX__)
+  if constexpr (std::is_same_v<A, float>) {
+    for (; k + 8 <= count; k += 8) {
+      __m256 x[8];
+      for (int i = 0; i < 8; ++i) {
+#if defined(__AVX512F__)
+        const __m512 w = _mm512_loadu_ps(v + (k + i) * L);
+        x[i] = _mm256_add_ps(_mm512_castps512_ps256(w), _mm512_extractf32x8_ps(w, 1));
+#else
+        x[i] = _mm256_loadu_ps(v + (k + i) * L);
+#endif
+      }
+      // hadd pairs twice: lane half h of b0 holds the four sums of x0..x3's half h, b1 of x4..x7.
+      const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
+      const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
+      const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+      _mm256_storeu_ps(out + k, _mm256_add_ps(_mm256_loadu_ps(out + k), s));
+    }
+  }
+#endif
+  for (; k < count; ++k) {
+    A sum = 0;
+    for (int l = 0; l < L; ++l) sum += v[k * L + l];
+    out[k] += sum;
+  }
 }
 
 }  // namespace dcmha::cpu
