@@ -16,6 +16,41 @@ namespace dcmha::cpu {
 
 #if defined(DCMHA_HAS_VECTOR_EXTENSIONS)
 
+/// JB column vectors from column j of compose_chunk_registers. Each hidden accumulator gets one
+/// multiply-add per head, so with one vector the first loop waited on the multiply-add latency
+/// (four chains, 4 cycles per head); JB vectors give JB times the independent chains.
+template <class A, int RQ, int RK, int JB>
+inline void compose_columns(index_t M, index_t ld, const A* qw1, const A* qw2, const A* qdd,
+                            const A* kw1, const A* kw2, const A* kdd, index_t j, const A* src,
+                            index_t src_hs, A* dst, index_t dst_hs, const A* in_scale) {
+  using V = typename Simd<A>::V;
+  constexpr int L = Simd<A>::L;
+  V qh[RQ > 0 ? RQ : 1][JB] = {}, kh[RK > 0 ? RK : 1][JB] = {};
+  for (index_t m = 0; m < M; ++m) {
+    V a[JB];
+    for (int b = 0; b < JB; ++b) a[b] = vload(src + m * src_hs + j + b * L);
+    if (in_scale)
+      for (int b = 0; b < JB; ++b) a[b] *= in_scale[m];
+    for (int r = 0; r < RQ; ++r)
+      for (int b = 0; b < JB; ++b) qh[r][b] += a[b] * qw1[r * M + m];
+    for (int r = 0; r < RK; ++r)
+      for (int b = 0; b < JB; ++b) kh[r][b] += a[b] * vload(kw1 + (r * M + m) * ld + j + b * L);
+  }
+  for (index_t o = 0; o < M; ++o) {
+    const A gq = A(1) + (RQ ? qdd[o] : A(0));
+    for (int b = 0; b < JB; ++b) {
+      V a = vload(src + o * src_hs + j + b * L);
+      if (in_scale) a *= in_scale[o];
+      V gate = V{} + gq;
+      if (RK) gate += vload(kdd + o * ld + j + b * L);
+      V d = a * gate;
+      for (int r = 0; r < RQ; ++r) d += qh[r][b] * qw2[r * M + o];
+      for (int r = 0; r < RK; ++r) d += kh[r][b] * vload(kw2 + (r * M + o) * ld + j + b * L);
+      vstore(dst + o * dst_hs + j + b * L, d);
+    }
+  }
+}
+
 /// Compose on one row chunk like compose_chunk, for sides without static W and with Rq, Rk equal
 /// to the template ranks (0 = term off). Column blocks of Simd<A>::L keys; the tail goes through
 /// compose_chunk. in_scale (per head, or null) multiplies the input first: the forward folds the
@@ -24,32 +59,21 @@ template <class A, int RQ, int RK>
 void compose_chunk_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s, int n,
                              const A* src, index_t src_hs, A* dst, index_t dst_hs,
                              const A* in_scale, A* scratch) {
-  using V = typename Simd<A>::V;
   constexpr int L = Simd<A>::L;
   const index_t M = c.M, ld = c.ld;
+  // Plain pointers: the stores go through memcpy, which may alias anything, so members read
+  // through `c` and `q` would be reloaded after every store.
+  const A* qw1 = q.qw1.data();
+  const A* qw2 = q.qw2.data();
+  const A* qdd = q.qdd.data();
   const A* kw1 = RK ? c.k1 + s : nullptr;
   const A* kw2 = RK ? c.k2 + s : nullptr;
   const A* kdd = RK ? c.kd + s : nullptr;
   int j = 0;
-  for (; j + L <= n; j += L) {
-    V qh[RQ > 0 ? RQ : 1] = {}, kh[RK > 0 ? RK : 1] = {};
-    for (index_t m = 0; m < M; ++m) {
-      V a = vload(src + m * src_hs + j);
-      if (in_scale) a *= in_scale[m];
-      for (int r = 0; r < RQ; ++r) qh[r] += a * q.qw1[r * M + m];
-      for (int r = 0; r < RK; ++r) kh[r] += a * vload(kw1 + (r * M + m) * ld + j);
-    }
-    for (index_t o = 0; o < M; ++o) {
-      V a = vload(src + o * src_hs + j);
-      if (in_scale) a *= in_scale[o];
-      V gate = V{} + (A(1) + (RQ ? q.qdd[o] : A(0)));
-      if (RK) gate += vload(kdd + o * ld + j);
-      V d = a * gate;
-      for (int r = 0; r < RQ; ++r) d += qh[r] * q.qw2[r * M + o];
-      for (int r = 0; r < RK; ++r) d += kh[r] * vload(kw2 + (r * M + o) * ld + j);
-      vstore(dst + o * dst_hs + j, d);
-    }
-  }
+  for (; j + 2 * L <= n; j += 2 * L)
+    compose_columns<A, RQ, RK, 2>(M, ld, qw1, qw2, qdd, kw1, kw2, kdd, j, src, src_hs, dst, dst_hs, in_scale);
+  for (; j + L <= n; j += L)
+    compose_columns<A, RQ, RK, 1>(M, ld, qw1, qw2, qdd, kw1, kw2, kdd, j, src, src_hs, dst, dst_hs, in_scale);
   if (j < n) {
     if (in_scale) {
       // The tail is narrower than a vector: scale a copy so the generic path sees P, not e.
@@ -79,6 +103,16 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
   constexpr int RQ1 = RQ > 0 ? RQ : 1, RK1 = RK > 0 ? RK : 1;
   const index_t M = c.M, ld = c.ld;
   const int nb = n / L;
+  // Plain pointers, as in compose_chunk_registers: the stores (memcpy) may alias any member.
+  const A* qw1 = q.qw1.data();
+  const A* qw2 = q.qw2.data();
+  const A* qdd = q.qdd.data();
+  const A* k1 = RK ? c.k1 + s : nullptr;
+  const A* k2 = RK ? c.k2 + s : nullptr;
+  const A* kd = RK ? c.kd + s : nullptr;
+  A* dk1 = RK ? kg.kw1.data() + s : nullptr;
+  A* dk2 = RK ? kg.kw2.data() + s : nullptr;
+  A* dkd = RK ? kg.kdd.data() + s : nullptr;
   V qh[RQ1][NB], gq[RQ1][NB], kh[RK1][NB], gk[RK1][NB];
   for (int jb = 0; jb < nb; ++jb) {
     const index_t j = jb * L;
@@ -86,12 +120,12 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
     for (index_t m = 0; m < M; ++m) {
       const V av = vload(a + m * a_hs + j), gv = vload(gp + m * gp_hs + j);
       for (int r = 0; r < RQ; ++r) {
-        hq[r] += av * q.qw1[r * M + m];
-        eq[r] += gv * q.qw2[r * M + m];
+        hq[r] += av * qw1[r * M + m];
+        eq[r] += gv * qw2[r * M + m];
       }
       for (int r = 0; r < RK; ++r) {
-        hk[r] += av * vload(c.k1 + (r * M + m) * ld + s + j);
-        ek[r] += gv * vload(c.k2 + (r * M + m) * ld + s + j);
+        hk[r] += av * vload(k1 + (r * M + m) * ld + j);
+        ek[r] += gv * vload(k2 + (r * M + m) * ld + j);
       }
     }
     for (int r = 0; r < RQ; ++r) { qh[r][jb] = hq[r]; gq[r][jb] = eq[r]; }
@@ -103,7 +137,7 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
   A* lanes_dd = lanes2 + RQ * M * L;
   for (index_t m = 0; m < M; ++m) {
     V d1[RQ1] = {}, d2[RQ1] = {}, dd = {};
-    const A gate = A(1) + (RQ ? q.qdd[m] : A(0));
+    const A gate = A(1) + (RQ ? qdd[m] : A(0));
     for (int jb = 0; jb < nb; ++jb) {
       const index_t j = jb * L;
       const V av = vload(a + m * a_hs + j), gv = vload(gp + m * gp_hs + j);
@@ -111,20 +145,20 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
       for (int r = 0; r < RQ; ++r) {
         d1[r] += av * gq[r][jb];
         d2[r] += qh[r][jb] * gv;
-        out += gq[r][jb] * q.qw1[r * M + m];
+        out += gq[r][jb] * qw1[r * M + m];
       }
       if (RQ) dd += av * gv;
       for (int r = 0; r < RK; ++r) {
-        A* k1 = kg.kw1.data() + (r * M + m) * ld + s + j;
-        A* k2 = kg.kw2.data() + (r * M + m) * ld + s + j;
-        vstore(k1, vload(k1) + av * gk[r][jb]);
-        vstore(k2, vload(k2) + kh[r][jb] * gv);
-        out += gk[r][jb] * vload(c.k1 + (r * M + m) * ld + s + j);
+        A* g1 = dk1 + (r * M + m) * ld + j;
+        A* g2 = dk2 + (r * M + m) * ld + j;
+        vstore(g1, vload(g1) + av * gk[r][jb]);
+        vstore(g2, vload(g2) + kh[r][jb] * gv);
+        out += gk[r][jb] * vload(k1 + (r * M + m) * ld + j);
       }
       if (RK) {
-        A* kd = kg.kdd.data() + m * ld + s + j;
-        vstore(kd, vload(kd) + av * gv);
-        out += gv * vload(c.kd + m * ld + s + j);
+        A* gd = dkd + m * ld + j;
+        vstore(gd, vload(gd) + av * gv);
+        out += gv * vload(kd + m * ld + j);
       }
       vstore(g + m * g_hs + j, out);
     }
