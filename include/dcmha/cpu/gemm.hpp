@@ -52,24 +52,29 @@ inline void nn_block(index_t depth, const A* a, index_t ars, index_t acs, const 
 constexpr int kNnRows = 6;
 constexpr int kNnCols = kVectorBytes == 64 ? 4 : 2;
 
+/// Calls f(std::integral_constant<int, R>{}) for R = rows, 1 <= rows <= kNnRows: the row count
+/// of a block as a template argument.
+template <class F>
+inline void with_row_count(index_t rows, F&& f) {
+  static_assert(kNnRows == 6, "one case per row count");
+  switch (rows) {
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 1>{}); break;
+  }
+}
+
 /// C = A B on rows [0, rows) over columns [j, j + CB * L): row blocks of kNnRows, then the rest.
 template <class A, int CB>
 inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index_t acs, const A* b,
                      index_t ldb, A* c, index_t ldc) {
-  constexpr int RB = kNnRows;
-  index_t i = 0;
-  for (; i + RB <= rows; i += RB)
-    nn_block<A, RB, CB>(depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc, false);
-  const A* ai = a + i * ars;
-  A* ci = c + i * ldc;
-  switch (rows - i) {
-    case 5: nn_block<A, 5, CB>(depth, ai, ars, acs, b, ldb, ci, ldc, false); break;
-    case 4: nn_block<A, 4, CB>(depth, ai, ars, acs, b, ldb, ci, ldc, false); break;
-    case 3: nn_block<A, 3, CB>(depth, ai, ars, acs, b, ldb, ci, ldc, false); break;
-    case 2: nn_block<A, 2, CB>(depth, ai, ars, acs, b, ldb, ci, ldc, false); break;
-    case 1: nn_block<A, 1, CB>(depth, ai, ars, acs, b, ldb, ci, ldc, false); break;
-    default: break;
-  }
+  for (index_t i = 0; i < rows; i += kNnRows)
+    with_row_count(std::min<index_t>(kNnRows, rows - i), [&](auto rb) {
+      nn_block<A, decltype(rb)::value, CB>(depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc, false);
+    });
 }
 
 /// Every vector column of RB rows of C += A B; returns the first column left for scalar code.
@@ -215,18 +220,10 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
     const index_t bytes = ncol * index_t(sizeof(A));
     prefetch_rows(c, std::min<index_t>(rows, RB), ldc, bytes);
     for (index_t i = 0; i < rows; i += RB) {
-      const index_t rb = std::min<index_t>(RB, rows - i);
       if (i + RB < rows) prefetch_rows(c + (i + RB) * ldc, std::min<index_t>(RB, rows - i - RB), ldc, bytes);
-      const A* ai = a + i * ars;
-      A* ci = c + i * ldc;
-      switch (rb) {
-        case 6: j = nn_row_block<A, 6>(ncol, depth, ai, ars, acs, b, ldb, ci, ldc); break;
-        case 5: j = nn_row_block<A, 5>(ncol, depth, ai, ars, acs, b, ldb, ci, ldc); break;
-        case 4: j = nn_row_block<A, 4>(ncol, depth, ai, ars, acs, b, ldb, ci, ldc); break;
-        case 3: j = nn_row_block<A, 3>(ncol, depth, ai, ars, acs, b, ldb, ci, ldc); break;
-        case 2: j = nn_row_block<A, 2>(ncol, depth, ai, ars, acs, b, ldb, ci, ldc); break;
-        default: j = nn_row_block<A, 1>(ncol, depth, ai, ars, acs, b, ldb, ci, ldc); break;
-      }
+      with_row_count(std::min<index_t>(RB, rows - i), [&](auto rb) {
+        j = nn_row_block<A, decltype(rb)::value>(ncol, depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc);
+      });
     }
   } else {
     // Column strips outer: a strip of B (depth x CB vectors, 8 KiB at depth 128) stays in L1
