@@ -6,6 +6,7 @@
 // block stay in registers while the M heads stream through: per head and column block two
 // passes of a few fused multiply-adds, instead of load-FMA-store chains. The ranks are template
 // parameters so the accumulators are plain register variables.
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -88,10 +89,13 @@ void compose_chunk_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, in
 }
 
 /// compose_chunk_backward for sides without static W and with Rq, Rk equal to the template ranks.
-/// The query-wise gradients are summed per head as lane vectors in L1 scratch and reduced into
-/// rg once per call: per-row lane accumulators (5 KiB a row at M = 32, Rq = 2) for a block's
-/// rows did not stay in cache, and the post side's transpose waited on them (-25% of its time
-/// with them reduced here, measured per phase).
+/// Per column block: the hidden vectors first (loop over heads), then each head's input gradient
+/// and weight gradients with those vectors in registers. The query-wise gradients are summed per
+/// head as lane vectors in L1 scratch and reduced into rg once per call: per-row lane
+/// accumulators (5 KiB a row at M = 32, Rq = 2) for a block's rows did not stay in cache, and the
+/// post side's transpose waited on them (-25% of its time with them reduced here, measured per
+/// phase). Column blocks outer instead of heads outer keeps the hidden vectors out of the stack
+/// (-10%, microbenchmark).
 template <class A, int RQ, int RK>
 void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s,
                                       int n, const A* a, index_t a_hs, const A* gp, index_t gp_hs,
@@ -99,7 +103,6 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
                                       ComposeKeyGrads<A>& kg, A* dw, A* scratch) {
   using V = typename Simd<A>::V;
   constexpr int L = Simd<A>::L;
-  constexpr int NB = kChunk / L;
   constexpr int RQ1 = RQ > 0 ? RQ : 1, RK1 = RK > 0 ? RK : 1;
   const index_t M = c.M, ld = c.ld;
   const int nb = n / L;
@@ -113,7 +116,11 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
   A* dk1 = RK ? kg.kw1.data() + s : nullptr;
   A* dk2 = RK ? kg.kw2.data() + s : nullptr;
   A* dkd = RK ? kg.kdd.data() + s : nullptr;
-  V qh[RQ1][NB], gq[RQ1][NB], kh[RK1][NB], gk[RK1][NB];
+  // Lane vectors of qw1 [r][m], qw2 [r][m], qdd [m]: ComposeRowGrads' order.
+  A* lanes1 = scratch;
+  A* lanes2 = lanes1 + RQ * M * L;
+  A* lanes_dd = lanes2 + RQ * M * L;
+  if (RQ && nb > 0) std::fill(lanes1, lanes1 + (2 * RQ + 1) * M * L, A(0));
   for (int jb = 0; jb < nb; ++jb) {
     const index_t j = jb * L;
     V hq[RQ1] = {}, eq[RQ1] = {}, hk[RK1] = {}, ek[RK1] = {};
@@ -128,32 +135,24 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
         ek[r] += gv * vload(k2 + (r * M + m) * ld + j);
       }
     }
-    for (int r = 0; r < RQ; ++r) { qh[r][jb] = hq[r]; gq[r][jb] = eq[r]; }
-    for (int r = 0; r < RK; ++r) { kh[r][jb] = hk[r]; gk[r][jb] = ek[r]; }
-  }
-  // Lane vectors of qw1 [r][m], qw2 [r][m], qdd [m]: ComposeRowGrads' order.
-  A* lanes1 = scratch;
-  A* lanes2 = lanes1 + RQ * M * L;
-  A* lanes_dd = lanes2 + RQ * M * L;
-  for (index_t m = 0; m < M; ++m) {
-    V d1[RQ1] = {}, d2[RQ1] = {}, dd = {};
-    const A gate = A(1) + (RQ ? qdd[m] : A(0));
-    for (int jb = 0; jb < nb; ++jb) {
-      const index_t j = jb * L;
+    // g may alias gp: block j of head m is read above and here before it is written.
+    for (index_t m = 0; m < M; ++m) {
       const V av = vload(a + m * a_hs + j), gv = vload(gp + m * gp_hs + j);
-      V out = gv * gate;
+      V out = gv * (A(1) + (RQ ? qdd[m] : A(0)));
       for (int r = 0; r < RQ; ++r) {
-        d1[r] += av * gq[r][jb];
-        d2[r] += qh[r][jb] * gv;
-        out += gq[r][jb] * qw1[r * M + m];
+        A* l1 = lanes1 + (r * M + m) * L;
+        A* l2 = lanes2 + (r * M + m) * L;
+        vstore(l1, vload(l1) + av * eq[r]);
+        vstore(l2, vload(l2) + hq[r] * gv);
+        out += eq[r] * qw1[r * M + m];
       }
-      if (RQ) dd += av * gv;
+      if (RQ) vstore(lanes_dd + m * L, vload(lanes_dd + m * L) + av * gv);
       for (int r = 0; r < RK; ++r) {
         A* g1 = dk1 + (r * M + m) * ld + j;
         A* g2 = dk2 + (r * M + m) * ld + j;
-        vstore(g1, vload(g1) + av * gk[r][jb]);
-        vstore(g2, vload(g2) + kh[r][jb] * gv);
-        out += gk[r][jb] * vload(k1 + (r * M + m) * ld + j);
+        vstore(g1, vload(g1) + av * ek[r]);
+        vstore(g2, vload(g2) + hk[r] * gv);
+        out += ek[r] * vload(k1 + (r * M + m) * ld + j);
       }
       if (RK) {
         A* gd = dkd + m * ld + j;
@@ -162,11 +161,6 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
       }
       vstore(g + m * g_hs + j, out);
     }
-    for (int r = 0; r < RQ; ++r) {
-      vstore(lanes1 + (r * M + m) * L, d1[r]);
-      vstore(lanes2 + (r * M + m) * L, d2[r]);
-    }
-    if (RQ) vstore(lanes_dd + m * L, dd);
   }
   if (RQ && nb > 0) add_lane_sums(lanes1, (2 * RQ + 1) * M, rg.sums.data());
   const int j = nb * L;
