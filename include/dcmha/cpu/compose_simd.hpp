@@ -17,15 +17,30 @@ namespace dcmha::cpu {
 
 #if defined(DCMHA_HAS_VECTOR_EXTENSIONS)
 
+/// One row's query-wise terms and the key-wise terms from key s on, as plain pointers held by
+/// value: the kernels' stores go through memcpy, which may alias anything, so members read
+/// through ComposeSide and ComposeRow would be reloaded after every store.
+template <class A>
+struct TermPointers {
+  const A *qw1, *qw2, *qdd, *kw1, *kw2, *kdd;
+  TermPointers(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s)
+      : qw1(q.qw1.data()),
+        qw2(q.qw2.data()),
+        qdd(q.qdd.data()),
+        kw1(c.has_k ? c.k1 + s : nullptr),
+        kw2(c.has_k ? c.k2 + s : nullptr),
+        kdd(c.has_k ? c.kd + s : nullptr) {}
+};
+
 /// JB column vectors from column j of compose_chunk_registers. Each hidden accumulator gets one
 /// multiply-add per head, so with one vector the first loop waited on the multiply-add latency
 /// (four chains, 4 cycles per head); JB vectors give JB times the independent chains.
 template <class A, int RQ, int RK, int JB>
-inline void compose_columns(index_t M, index_t ld, const A* qw1, const A* qw2, const A* qdd,
-                            const A* kw1, const A* kw2, const A* kdd, index_t j, const A* src,
+inline void compose_columns(index_t M, index_t ld, TermPointers<A> t, index_t j, const A* src,
                             index_t src_hs, A* dst, index_t dst_hs, const A* in_scale) {
   using V = typename Simd<A>::V;
   constexpr int L = Simd<A>::L;
+  const A *qw1 = t.qw1, *qw2 = t.qw2, *qdd = t.qdd, *kw1 = t.kw1, *kw2 = t.kw2, *kdd = t.kdd;
   V qh[RQ > 0 ? RQ : 1][JB] = {}, kh[RK > 0 ? RK : 1][JB] = {};
   for (index_t m = 0; m < M; ++m) {
     V a[JB];
@@ -62,19 +77,11 @@ void compose_chunk_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, in
                              const A* in_scale, A* scratch) {
   constexpr int L = Simd<A>::L;
   const index_t M = c.M, ld = c.ld;
-  // Plain pointers: the stores go through memcpy, which may alias anything, so members read
-  // through `c` and `q` would be reloaded after every store.
-  const A* qw1 = q.qw1.data();
-  const A* qw2 = q.qw2.data();
-  const A* qdd = q.qdd.data();
-  const A* kw1 = RK ? c.k1 + s : nullptr;
-  const A* kw2 = RK ? c.k2 + s : nullptr;
-  const A* kdd = RK ? c.kd + s : nullptr;
+  const TermPointers<A> t(c, q, s);
   int j = 0;
   for (; j + 2 * L <= n; j += 2 * L)
-    compose_columns<A, RQ, RK, 2>(M, ld, qw1, qw2, qdd, kw1, kw2, kdd, j, src, src_hs, dst, dst_hs, in_scale);
-  for (; j + L <= n; j += L)
-    compose_columns<A, RQ, RK, 1>(M, ld, qw1, qw2, qdd, kw1, kw2, kdd, j, src, src_hs, dst, dst_hs, in_scale);
+    compose_columns<A, RQ, RK, 2>(M, ld, t, j, src, src_hs, dst, dst_hs, in_scale);
+  for (; j + L <= n; j += L) compose_columns<A, RQ, RK, 1>(M, ld, t, j, src, src_hs, dst, dst_hs, in_scale);
   if (j < n) {
     if (in_scale) {
       // The tail is narrower than a vector: scale a copy so the generic path sees P, not e.
@@ -106,13 +113,9 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
   constexpr int RQ1 = RQ > 0 ? RQ : 1, RK1 = RK > 0 ? RK : 1;
   const index_t M = c.M, ld = c.ld;
   const int nb = n / L;
-  // Plain pointers, as in compose_chunk_registers: the stores (memcpy) may alias any member.
-  const A* qw1 = q.qw1.data();
-  const A* qw2 = q.qw2.data();
-  const A* qdd = q.qdd.data();
-  const A* k1 = RK ? c.k1 + s : nullptr;
-  const A* k2 = RK ? c.k2 + s : nullptr;
-  const A* kd = RK ? c.kd + s : nullptr;
+  const TermPointers<A> t(c, q, s);
+  const A *qw1 = t.qw1, *qw2 = t.qw2, *qdd = t.qdd, *k1 = t.kw1, *k2 = t.kw2, *kd = t.kdd;
+  // The gradients' pointers likewise.
   A* dk1 = RK ? kg.kw1.data() + s : nullptr;
   A* dk2 = RK ? kg.kw2.data() + s : nullptr;
   A* dkd = RK ? kg.kdd.data() + s : nullptr;
