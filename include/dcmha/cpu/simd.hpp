@@ -52,7 +52,9 @@ inline void add_lane_sums(const A* v, index_t count, A* out) {
       for (int i = 0; i < 8; ++i) {
 #if defined(__AVX512F__)
         const __m512 w = _mm512_loadu_ps(v + (k + i) * L);
-        x[i] = _mm256_add_ps(_mm512_castps512_ps256(w), _mm512_extractf32x8_ps(w, 1));
+        // The upper half through the AVX512F 64-bit extract (the 32-bit one needs AVX512DQ).
+        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
+        x[i] = _mm256_add_ps(_mm512_castps512_ps256(w), hi);
 #else
         x[i] = _mm256_loadu_ps(v + (k + i) * L);
 #endif
