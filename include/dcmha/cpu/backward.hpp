@@ -233,20 +233,19 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           for (index_t s = std::max(ve, cs); s < ce; ++s) row[s] = A(0);
         }
       }
-      if (!post.on) {
-        for (index_t m = 0; m < M; ++m)
-          gemm_nn<A>(n, Dv, nl, Ps + lo * rs + m * tw, 1, rs, oall.data() + (m * Bq + lo) * Dv, Dv,
-                     row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true);
-      } else {
+      // P' = Compose_post(P) (P itself without post compose), then dV += P'^T dO.
+      const A* Pt = post.on ? ptile.data() : Ps;
+      if (post.on)
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i)
             post_fn(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, ptile.data() + i * rs + (s - cs),
                     tw, nullptr, scratch.data());
         }
-        for (index_t m = 0; m < M && hi > lo; ++m)
-          gemm_nn<A>(n, Dv, hi - lo, ptile.data() + lo * rs + m * tw, 1, rs, oall.data() + (m * Bq + lo) * Dv,
-                     Dv, row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true);
+      for (index_t m = 0; m < M; ++m)
+        gemm_nn<A>(n, Dv, nl, Pt + lo * rs + m * tw, 1, rs, oall.data() + (m * Bq + lo) * Dv, Dv,
+                   row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true);
+      if (post.on) {
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {

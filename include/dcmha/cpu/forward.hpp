@@ -142,16 +142,18 @@ struct ForwardRows {
   Buffer<A> scale;     // [row][m]: what turns one tile's exponentials into probabilities
   Buffer<A> kt;        // one key tile of K (transposed, scaled) or of V, packed contiguous
 
-  ForwardRows(const ComposeSides<A>& sides, index_t Bq, index_t M, index_t tiles, index_t D, index_t Dv, index_t tile)
-      : pre(Bq), post(Bq) {
+  /// Sized for the blocks and tiles of `ws` (already initialized).
+  ForwardRows(const ComposeSides<A>& sides, const ForwardWorkspace<A>& ws, const detail::AttentionDims& d)
+      : pre(ws.Bq), post(ws.Bq) {
+    const index_t Bq = ws.Bq, M = d.M;
     for (auto& r : pre) r.init(sides.pre);
     for (auto& r : post) r.init(sides.post);
     scratch.assign(std::max(sides.pre.scratch_size(), sides.post.scratch_size()), A(0));
     inv_sum.assign(Bq * M, A(0));
     final_max.assign(Bq * M, A(0));
-    tile_max.assign(tiles * M * Bq, A(0));
+    tile_max.assign(ws.tiles * M * Bq, A(0));
     scale.assign(Bq * M, A(0));
-    kt.assign(std::max(D, Dv) * tile, scratch_init<A>());
+    kt.assign(std::max(d.D, d.Dv) * ws.tile, scratch_init<A>());
   }
 };
 
@@ -341,7 +343,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
       ws.init(d, mask, 1);
       ComposeSides<A> sides;
       sides.init(d, cw, ring);
-      ForwardRows<A> rows(sides, ws.Bq, d.M, ws.tiles, d.D, d.Dv, ws.tile);
+      ForwardRows<A> rows(sides, ws, d);
 #pragma omp for schedule(dynamic, 1)
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
@@ -362,7 +364,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
       const Team team{thread_id(), team_size()};
       ForwardWorkspace<A> ws;
       ws.init(d, mask, 1);
-      ForwardRows<A> rows(sides, ws.Bq, d.M, ws.tiles, d.D, d.Dv, ws.tile);
+      ForwardRows<A> rows(sides, ws, d);
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
         sides.load(team, cw, d.S, b, g, ring);
@@ -379,7 +381,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};
-    ForwardRows<A> rows(sides, ws.Bq, d.M, ws.tiles, d.D, d.Dv, ws.tile);
+    ForwardRows<A> rows(sides, ws, d);
     for (index_t it = 0; it < items; ++it) {
       const index_t b = it / d.G, g = it % d.G;
       sides.load(team, cw, d.S, b, g, ring);
