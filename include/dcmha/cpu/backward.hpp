@@ -206,9 +206,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       A* Ls = pre.on ? ws.slab_of(ws.Lp, tid, tile) : Ps;
       A* dPs = ws.slab_of(ws.dPp, tid, tile);
       for (index_t m = 0; m < M; ++m) {
-        const index_t h = g * M + m, hk = h / group_of_kv;
-        gemm_abt<A>(nl, n, D, row_ptr(q, b, h, t0 + lo), q.stride[2], row_ptr(k, b, hk, cs), k.stride[2],
-                    Ls + lo * rs + m * tw, rs, scale, kbuf.data(), next_head(k, m, cs));
+        const index_t hk = (g * M + m) / group_of_kv;
+        // Scores from the packed, scaled Q rows (contiguous) rather than the caller's (a page apart).
+        gemm_abt<A>(nl, n, D, qall.data() + (m * Bq + lo) * D, D, row_ptr(k, b, hk, cs), k.stride[2],
+                    Ls + lo * rs + m * tw, rs, A(1), kbuf.data(), next_head(k, m, cs));
         gemm_abt<A>(nl, n, Dv, oall.data() + (m * Bq + lo) * Dv, Dv, row_ptr(v, b, hk, cs), v.stride[2],
                     dPs + lo * rs + m * tw, rs, A(1), kbuf.data(), next_head(v, m, cs));
       }
