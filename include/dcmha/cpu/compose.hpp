@@ -21,9 +21,16 @@ namespace dcmha::cpu {
 /// vectors stay in L1 while the chunk is applied to every row of a query block.
 constexpr int kChunk = 32;
 
-/// Bytes per vector of the register-blocked compose (compose_simd.hpp): the widest the compiler
-/// was told it may use, so no vector crosses a function boundary in a wider ABI than enabled.
-#if defined(__AVX512F__)
+/// Bytes per vector of the register-blocked kernels (compose_simd.hpp, gemm.hpp): the widest the
+/// compiler was told it may use, so no vector crosses a function boundary in a wider ABI than
+/// enabled. DCMHA_VECTOR_BYTES overrides it for testing: 64 on an AVX2 machine runs the code
+/// paths of an AVX-512 build (16-float blocks, tails, 4-vector product strips), each vector
+/// split in two by the compiler, so a machine without AVX-512 can check them.
+#if defined(DCMHA_VECTOR_BYTES)
+constexpr int kVectorBytes = DCMHA_VECTOR_BYTES;
+static_assert(kVectorBytes == 16 || kVectorBytes == 32 || kVectorBytes == 64,
+              "DCMHA_VECTOR_BYTES must be 16, 32 or 64");
+#elif defined(__AVX512F__)
 constexpr int kVectorBytes = 64;
 #elif defined(__AVX__)
 constexpr int kVectorBytes = 32;

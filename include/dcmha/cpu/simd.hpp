@@ -40,24 +40,30 @@ inline void vstore(A* p, const typename Simd<A>::V& v) {
 
 /// out[k] += the sum of vector k's lanes, for `count` vectors at v (k-th at v + k * L).
 /// Groups of eight float vectors go through a transposing reduction (eight sums per group in
-/// about ten shuffles and adds instead of eight horizontal reductions).
+/// about ten shuffles and adds instead of eight horizontal reductions); 16-float vectors are
+/// first folded to eight lanes.
 template <class A>
 inline void add_lane_sums(const A* v, index_t count, A* out) {
   constexpr int L = Simd<A>::L;
   index_t k = 0;
 #if defined(__AVX__)
-  if constexpr (std::is_same_v<A, float>) {
+  if constexpr (std::is_same_v<A, float> && (L == 8 || L == 16)) {
     for (; k + 8 <= count; k += 8) {
       __m256 x[8];
       for (int i = 0; i < 8; ++i) {
+        const float* p = v + (k + i) * L;
+        if constexpr (L == 8) {
+          x[i] = _mm256_loadu_ps(p);
+        } else {
 #if defined(__AVX512F__)
-        const __m512 w = _mm512_loadu_ps(v + (k + i) * L);
-        // The upper half through the AVX512F 64-bit extract (the 32-bit one needs AVX512DQ).
-        const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
-        x[i] = _mm256_add_ps(_mm512_castps512_ps256(w), hi);
+          const __m512 w = _mm512_loadu_ps(p);
+          // The upper half through the AVX512F 64-bit extract (the 32-bit one needs AVX512DQ).
+          const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
+          x[i] = _mm256_add_ps(_mm512_castps512_ps256(w), hi);
 #else
-        x[i] = _mm256_loadu_ps(v + (k + i) * L);
+          x[i] = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));  // DCMHA_VECTOR_BYTES=64
 #endif
+        }
       }
       // hadd pairs twice: lane half h of b0 holds the four sums of x0..x3's half h, b1 of x4..x7.
       const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
