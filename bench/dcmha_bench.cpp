@@ -91,6 +91,11 @@ void fill_normal(std::vector<float>& x, float stddev, std::uint64_t seed) {
   }
 }
 
+// One for every case and call, as a training loop keeps one: the timings are of the steady state,
+// not of allocating and faulting in the kernels' panels on every call. It holds about what the
+// largest case so far needed (the T16384 memory case runs in a process of its own).
+dcmha::Workspace workspace;
+
 // Every buffer of one problem, in the (B, T, H, D) layout of a real model. Gradients are only
 // allocated when a case needs them so that forward-only runs have the footprint of inference.
 struct Problem {
@@ -135,7 +140,7 @@ struct Problem {
   auto lse_view() { return dcmha::view<3>(lse.data(), {B, H, T}); }
 
   void forward(const dcmha::AttentionConfig& cfg) {
-    dcmha::forward(cfg, act(q), act(k), act(v), act(o), lse_view(), compose);
+    dcmha::forward(cfg, act(q), act(k), act(v), act(o), lse_view(), compose, workspace);
     forward_mask = cfg.mask;
     forward_window = cfg.window;
     have_forward = true;
@@ -146,7 +151,7 @@ struct Problem {
   }
   void backward(const dcmha::AttentionConfig& cfg) {
     dcmha::backward(cfg, act(q), act(k), act(v), lse_view(), act(dout), act(dq), act(dk), act(dv),
-                    compose, dcompose);
+                    compose, dcompose, workspace);
   }
 
   double io_bytes() const {

@@ -111,6 +111,10 @@ int main() {
   dproj.qkw = dcmha::view<5>(g_qkw.data(), {G, 4, Kh, 2 * R, M});
   dproj.dd = dcmha::view<3>(g_dd.data(), {E, G, 4 * M});
 
+  // The kernels' buffers, kept from call to call (a training loop keeps one per calling thread
+  // for all its layers and steps); the calls without it allocate their own each time.
+  dcmha::Workspace workspace;
+
   try {
     // ---- Multi-head attention ---------------------------------------------------------------
     dcmha::forward(cfg, Q, K, V, O_mha, LSE_mha);
@@ -120,11 +124,11 @@ int main() {
     // ---- DCMHA: the same calls, plus the compose weights ----------------------------------
     dcmha::dynamic_weights_forward(pcfg, X, proj, dw);
     const dcmha::ComposeWeights<float> compose = dcmha::compose_weights<float>(dw);
-    dcmha::forward(cfg, Q, K, V, O_dc, LSE_dc, compose);  // <- the one-line switch
+    dcmha::forward(cfg, Q, K, V, O_dc, LSE_dc, compose, workspace);  // <- the one-line switch
     // Backward also writes d(dynamic weights), ready for the projection's backward pass.
     dcmha::backward(cfg, Q, K, V, LSE_dc, dO, dcmha::bthd(dq_dc.data(), B, T, H, D),
                     dcmha::bthd(dk_dc.data(), B, T, H, D), dcmha::bthd(dv_dc.data(), B, T, H, D),
-                    compose, dcmha::compose_grads(ddw));
+                    compose, dcmha::compose_grads(ddw), workspace);
     // ...which carries the gradient on to x and the projection parameters.
     dcmha::dynamic_weights_backward(pcfg, X, proj, ddw, dcmha::view<3>(dx.data(), {B, T, E}),
                                     dproj);

@@ -324,6 +324,57 @@ TYPED_TEST(AttentionVsReference, DeterministicForAFixedThreadCount) {
   }
 }
 
+/// A Workspace kept across calls of different shapes (growing, then smaller again; one team and
+/// whole items per thread; MHA and DCMHA) gives bitwise the results of calls without one, and
+/// grows no further when shapes it has seen come again.
+TYPED_TEST(AttentionVsReference, WorkspaceKeptBetweenCalls) {
+  using T = TypeParam;
+  struct Case {
+    int64_t B, H, G, T, S;
+    bool compose;
+  };
+  const Case cases[] = {{1, 4, 1, 9, 9, true},     {1, 8, 1, 150, 150, true}, {2, 4, 2, 40, 70, true},
+                        {1, 4, 4, 150, 150, false}, {1, 4, 1, 9, 9, true},    {1, 8, 1, 150, 150, true}};
+  dcmha::Workspace ws;
+  for (size_t c = 0; c < std::size(cases); ++c) {
+    const std::size_t held_before = ws.bytes();
+    const Case& k = cases[c];
+    SCOPED_TRACE("case " + std::to_string(c));
+    ProblemSpec s;
+    s.B = k.B; s.H = k.H; s.Hk = k.H; s.G = k.G; s.T = k.T; s.S = k.S; s.causal = true;
+    if (!k.compose) s.pre = s.post = SideSpec::none();
+    const auto p = dcmha::test::random_problem(s, 30 + c);
+    const auto dout = dcmha::test::random_dout(p, 30 + c);
+    TypedProblem<T> fresh(p), kept(p);
+    for (auto* tp : {&fresh, &kept}) {
+      tp->num_threads = 2;
+      tp->set_dout(dout);
+    }
+    dcmha::forward(fresh.config(), fresh.q(), fresh.k(), fresh.v(), fresh.out(), fresh.lse(), fresh.compose());
+    dcmha::backward(fresh.config(), fresh.q(), fresh.k(), fresh.v(), fresh.lse(), fresh.dout(), fresh.dq(),
+                    fresh.dk(), fresh.dv(), fresh.compose(), fresh.dcompose());
+    dcmha::forward(kept.config(), kept.q(), kept.k(), kept.v(), kept.out(), kept.lse(), kept.compose(), ws);
+    dcmha::backward(kept.config(), kept.q(), kept.k(), kept.v(), kept.lse(), kept.dout(), kept.dq(), kept.dk(),
+                    kept.dv(), kept.compose(), kept.dcompose(), ws);
+    auto all = [](const TypedProblem<T>& tp) {
+      std::vector<double> v = tp.out_values();
+      const dcmha::reference::Gradients g = tp.gradients();
+      for (auto& [name, vec] : dcmha::test::named_gradients(g)) v.insert(v.end(), vec->begin(), vec->end());
+      return v;
+    };
+    const std::vector<double> a = all(fresh), b = all(kept);
+    ASSERT_EQ(a.size(), b.size());
+    for (size_t i = 0; i < a.size(); ++i)
+      ASSERT_EQ(std::memcmp(&a[i], &b[i], sizeof(double)), 0) << "element " << i << " of " << a.size();
+    EXPECT_GT(ws.bytes(), 0u);
+    if (c >= 4) {  // shapes seen before: everything reused, nothing grown
+      EXPECT_EQ(ws.bytes(), held_before);
+    }
+  }
+  ws.release();
+  EXPECT_EQ(ws.bytes(), 0u);
+}
+
 TEST(AttentionApi, MhaIsDcmhaWithComposeOff) {
   // The drop-in contract: the same call without compose weights is plain softmax attention.
   ProblemSpec s;

@@ -40,6 +40,7 @@ struct Schedule {
   std::vector<int64_t> lengths;  // total tokens per sequence; empty: spec.T for every sequence
   bool bthd = false;             // new-token tensors kept (B, n, H, D) in memory
   bool caller_memory = false;    // the cache in a caller-provided buffer
+  bool workspace = false;        // one Workspace kept across the steps
 };
 
 /// Copies tokens [start[b], start[b] + count[b]) of every sequence b out of a canonical tensor
@@ -126,6 +127,7 @@ std::vector<double> run_decode(const dcmha::reference::Problem& p, const Problem
     owned = std::make_unique<dcmha::DecodeCache<T>>(cc);
   }
   dcmha::DecodeCache<T>& cache = *owned;
+  dcmha::Workspace workspace;
 
   const std::vector<double> q_src = sch.bthd ? to_btxy(p.q, B, H, T_, D) : p.q;
   const std::vector<double> k_src = sch.bthd ? to_btxy(p.k, B, Hk, T_, D) : p.k;
@@ -194,7 +196,11 @@ std::vector<double> run_decode(const dcmha::reference::Problem& p, const Problem
                         : TensorView<const index_t, 1>{});
     if (after_append) after_append(cache, step);
     dcmha::AttentionConfig cfg;
-    dcmha::decode(cfg, act_view(q, B, H, n, D, sch.bthd), cache, query_side, dcmha::bhtd(out.data(), B, H, n, Dv));
+    if (sch.workspace)
+      dcmha::decode(cfg, act_view(q, B, H, n, D, sch.bthd), cache, query_side, dcmha::bhtd(out.data(), B, H, n, Dv),
+                    workspace);
+    else
+      dcmha::decode(cfg, act_view(q, B, H, n, D, sch.bthd), cache, query_side, dcmha::bhtd(out.data(), B, H, n, Dv));
 
     for (int64_t b = 0; b < B; ++b) {
       EXPECT_EQ(cache.length(b), done[size_t(b)] + count[size_t(b)]);
@@ -240,7 +246,8 @@ template <class T>
 void check_decode(const ProblemSpec& spec, const Schedule& sch, uint64_t seed = 7) {
   SCOPED_TRACE(spec.str() + " prefill " + std::to_string(sch.prefill_all) + " step " +
                std::to_string(sch.step) + (sch.lengths.empty() ? "" : " padded") +
-               (sch.bthd ? " bthd" : "") + (sch.caller_memory ? " caller memory" : ""));
+               (sch.bthd ? " bthd" : "") + (sch.caller_memory ? " caller memory" : "") +
+               (sch.workspace ? " workspace" : ""));
   const dcmha::reference::Problem p = dcmha::test::random_problem(spec, seed);
   const std::vector<double> expected = full_forward<T>(p, sch);
   const std::vector<double> got = run_decode<T>(p, spec, sch);
@@ -270,6 +277,13 @@ TYPED_TEST_SUITE(Decode, Scalars);
 // Equivalence with the full forward
 
 TYPED_TEST(Decode, GlobalLayer) { check_schedules<TypeParam>(decode_spec()); }
+// Prefill then steps, all through one Workspace: the prefill's larger buffers serve the steps.
+TYPED_TEST(Decode, WorkspaceKeptAcrossSteps) {
+  Schedule s;
+  s.workspace = true;
+  check_schedules<TypeParam>(decode_spec(), s);
+  check_schedules<TypeParam>(decode_spec(5), s);
+}
 
 // T = 23 with window 5: a ring of 5 + max_step - 1 slots wraps several times.
 TYPED_TEST(Decode, WindowLayer) { check_schedules<TypeParam>(decode_spec(5)); }

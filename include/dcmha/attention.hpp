@@ -11,6 +11,8 @@
 //   lse (B, H, T): per-row softmax statistics written by forward and read by backward; the only
 //   state kept between the two (O(B*H*T), never B*H*T*S). Pass an empty view for inference.
 // Hk divides H (GQA: head h reads kv head h / (H / Hk)). Gradients are overwritten, not added.
+// Each entry point also takes a trailing Workspace& (after compose / dcompose, which may be {}):
+// the kernels' buffers are then kept in it between calls instead of allocated per call.
 #include "compose_weights.hpp"
 #include "config.hpp"
 #include "cpu/backward.hpp"
@@ -18,6 +20,7 @@
 #include "detail/validate.hpp"
 #include "error.hpp"
 #include "tensor.hpp"
+#include "workspace.hpp"
 
 namespace dcmha {
 
@@ -25,9 +28,10 @@ namespace detail {
 template <class T>
 void forward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,
                   TensorView<const T, 4> v, TensorView<T, 4> out, TensorView<acc_t<T>, 3> lse,
-                  const ComposeWeights<T>& compose) {
+                  const ComposeWeights<T>& compose, Workspace* workspace) {
   const AttentionDims dims = validate_forward("dcmha::forward", cfg, q, k, v, out, lse, compose);
-  cpu::forward(cfg, dims, q, k, v, out, lse, compose);
+  Workspace call_memory;
+  cpu::forward(cfg, dims, q, k, v, out, lse, compose, workspace ? *workspace : call_memory);
 }
 
 template <class T>
@@ -35,20 +39,29 @@ void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorV
                    TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
                    TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
                    TensorView<T, 4> dv, const ComposeWeights<T>& compose,
-                   const ComposeGrads<T>& dcompose) {
+                   const ComposeGrads<T>& dcompose, Workspace* workspace) {
   const AttentionDims dims = validate_backward("dcmha::backward", cfg, q, k, v, lse, dout, dq, dk,
                                                dv, compose, dcompose);
-  cpu::backward(cfg, dims, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
+  Workspace call_memory;
+  cpu::backward(cfg, dims, q, k, v, lse, dout, dq, dk, dv, compose, dcompose,
+                workspace ? *workspace : call_memory);
 }
 }  // namespace detail
 
 // Non-template overloads, so that views of mutable memory convert to the const views below
-// without spelling out the scalar type.
+// without spelling out the scalar type. The overloads with a Workspace keep the kernels' buffers
+// there between calls (workspace.hpp); the others allocate them per call.
 #define DCMHA_DEFINE_ATTENTION_ENTRY_POINTS(T)                                                    \
   inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                      \
                       TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,  \
                       TensorView<acc_t<T>, 3> lse = {}, const ComposeWeights<T>& compose = {}) { \
-    detail::forward_impl<T>(cfg, q, k, v, out, lse, compose);                                    \
+    detail::forward_impl<T>(cfg, q, k, v, out, lse, compose, nullptr);                           \
+  }                                                                                              \
+  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                      \
+                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,  \
+                      TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& compose,             \
+                      Workspace& workspace) {                                                    \
+    detail::forward_impl<T>(cfg, q, k, v, out, lse, compose, &workspace);                        \
   }                                                                                              \
   inline void backward(const AttentionConfig& cfg, TensorView<const T, 4> q,                     \
                        TensorView<const T, 4> k, TensorView<const T, 4> v,                       \
@@ -56,7 +69,15 @@ void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorV
                        TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,            \
                        const ComposeWeights<T>& compose = {},                                    \
                        const ComposeGrads<T>& dcompose = {}) {                                   \
-    detail::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);            \
+    detail::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, nullptr);   \
+  }                                                                                              \
+  inline void backward(const AttentionConfig& cfg, TensorView<const T, 4> q,                     \
+                       TensorView<const T, 4> k, TensorView<const T, 4> v,                       \
+                       TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout,           \
+                       TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,            \
+                       const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose,        \
+                       Workspace& workspace) {                                                   \
+    detail::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, &workspace); \
   }
 
 DCMHA_DEFINE_ATTENTION_ENTRY_POINTS(float)

@@ -8,6 +8,7 @@
 //   tensor.hpp           TensorView: strided views over caller memory
 //   config.hpp           AttentionConfig: mask, scale, window, threads
 //   error.hpp            dcmha::Error, thrown for every invalid argument
+//   workspace.hpp        Workspace: the kernels' buffers, kept between calls
 #include "attention.hpp"
 #include "compose_weights.hpp"
 #include "config.hpp"
@@ -15,6 +16,7 @@
 #include "dynamic_weights.hpp"
 #include "error.hpp"
 #include "tensor.hpp"
+#include "workspace.hpp"
 
 #define DCMHA_VERSION_MAJOR 0
 #define DCMHA_VERSION_MINOR 1

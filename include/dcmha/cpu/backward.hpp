@@ -18,6 +18,7 @@
 #include "../config.hpp"
 #include "../detail/dims.hpp"
 #include "../tensor.hpp"
+#include "../workspace.hpp"
 #include "compose.hpp"
 #include "compose_simd.hpp"
 #include "forward.hpp"
@@ -84,22 +85,54 @@ void zero_rows(const TensorView<T, 4>& x, int tid, int nth) {
 
 }  // namespace detail_bwd
 
-/// Buffers one team shares while it works on one (batch, group).
+/// Buffers one team shares while it works on one (batch, group). The three panels and the
+/// partial dQ live in the call's Workspace (memory_size() values).
 template <class A>
 struct BackwardWorkspace : SlabLayout {
   index_t Bq = 0;
   ComposeSide<A> pre, post;
   ComposeKeyGrads<A> pre_kg, post_kg;
-  Buffer<A> Lp, Pp, dPp;  // [rank][tile][row][m][key], see SlabLayout
-  Buffer<A> d_part;       // [rank][m][row]
-  Buffer<A> dq_part;      // [rank][m][row][D]
+  A *Lp = nullptr, *Pp = nullptr, *dPp = nullptr;  // [rank][tile][row][m][key], see SlabLayout
+  A* dq_part = nullptr;  // [rank][m][row][D], teams of more than one thread only
+  Buffer<A> d_part;      // [rank][m][row]
   // Two sets, alternating by block: a thread may start the next block while others still sum
   // this block's query-wise gradients.
   std::vector<ComposeRowGrads<A>> pre_rg, post_rg;  // [set][rank][row]
 
+  /// Values of Workspace memory one team of team_size threads needs.
+  template <class T>
+  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask,
+                             const ComposeWeights<T>& cw, int team_size) {
+    BackwardWorkspace w;
+    w.layout(d, mask, team_size);
+    return (cw.pre.enabled() ? 3 : 2) * w.panel_size(team_size) + w.dq_part_size(d, team_size);
+  }
+
+  /// `memory`: memory_size() values, written before they are read.
   template <class T>
   void init(const detail::AttentionDims& d, const RowMask& mask, const ComposeWeights<T>& cw,
-            int team_size) {
+            int team_size, A* memory) {
+    const index_t M = d.M;
+    layout(d, mask, team_size);
+    pre.init(cw.pre, M, padded_stride<A>(d.S));  // key-wise terms of every key
+    post.init(cw.post, M, padded_stride<A>(d.S));
+    if (pre.has_k) pre_kg.init(pre);
+    if (post.has_k) post_kg.init(post);
+    const index_t panel = panel_size(team_size);
+    Lp = memory;
+    Pp = Lp + (pre.on ? panel : 0);
+    dPp = Pp + panel;
+    dq_part = dPp + panel;
+    d_part.assign(team_size * M * Bq, A(0));
+    pre_rg.resize(2 * team_size * Bq);
+    post_rg.resize(2 * team_size * Bq);
+    for (auto& r : pre_rg) r.init(pre);
+    for (auto& r : post_rg) r.init(post);
+  }
+  A* slab_of(A* panel, int rank, index_t t) { return panel + slab_offset(rank, t); }
+
+ private:
+  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
     const index_t M = d.M;
     // One team shares the three panels, so they get a larger budget than one forward panel.
     Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(64)), d.T, 3, index_t(48) << 20);
@@ -107,21 +140,10 @@ struct BackwardWorkspace : SlabLayout {
     // produced and consumed while they are in L2, as in the forward. Whole-panel sweeps made
     // every Compose step of the backward wait on memory (perf: half of its time on the panel loads).
     init_slabs<A>(M, Bq, 3, index_t(1024) << 10, mask.max_block_keys(Bq), team_size);
-    pre.init(cw.pre, M, padded_stride<A>(d.S));  // key-wise terms of every key
-    post.init(cw.post, M, padded_stride<A>(d.S));
-    if (pre.has_k) pre_kg.init(pre);
-    if (post.has_k) post_kg.init(post);
-    Lp.assign(pre.on ? panel_size(team_size) : 0, scratch_init<A>());
-    Pp.assign(panel_size(team_size), scratch_init<A>());
-    dPp.assign(panel_size(team_size), scratch_init<A>());
-    d_part.assign(team_size * M * Bq, A(0));
-    dq_part.assign(team_size * M * Bq * d.D, A(0));
-    pre_rg.resize(2 * team_size * Bq);
-    post_rg.resize(2 * team_size * Bq);
-    for (auto& r : pre_rg) r.init(pre);
-    for (auto& r : post_rg) r.init(post);
   }
-  A* slab_of(Buffer<A>& panel, int rank, index_t t) { return panel.data() + slab_offset(rank, t); }
+  index_t dq_part_size(const detail::AttentionDims& d, int team_size) const {
+    return team_size > 1 ? team_size * d.M * Bq * d.D : 0;
+  }
 };
 
 /// One (batch, group): every query block of it, the keys shared across the team. dK and dV of
@@ -138,7 +160,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
                     TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<const A, 3> lse,
                     TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
                     TensorView<T, 4> dv, const ComposeWeights<T>& cw, const ComposeGrads<T>& dcw,
-                    A* dw_pre, A* dw_post) {
+                    A* dw_pre, A* dw_post, Workspace& mem) {
   using namespace detail_bwd;
   const int tid = team.rank, nth = team.size;
   const index_t M = d.M, D = d.D, Dv = d.Dv, group_of_kv = d.H / d.Hk;
@@ -152,11 +174,14 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   Buffer<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
   const ComposeFn<A> pre_fn(pre), post_fn(post);
   const ComposeBackwardFn<A> pre_bwd(pre), post_bwd(post);
-  Buffer<A> ptile(post.on ? ws.slab : 0, scratch_init<A>());  // P' of one tile, [row][m][key]
-  // Packed operands of the tile products (gemm.hpp): a key tile of K or V, and this block's rows
-  // of Q (scaled) and dO for every head, packed once per block and shared by every tile.
-  Buffer<A> kbuf(std::max(D, Dv) * tw, scratch_init<A>()), qall(M * Bq * D, scratch_init<A>()),
-      oall(M * Bq * Dv, scratch_init<A>());
+  // This thread's buffers in the Workspace: P' of one tile ([row][m][key]), and the packed
+  // operands of the tile products (gemm.hpp): a key tile of K or V, and this block's rows of Q
+  // (scaled) and dO for every head, packed once per block and shared by every tile.
+  const int me = thread_id();
+  A* ptile = post.on ? mem.per_thread<A>(me, 0, ws.slab) : nullptr;
+  A* kbuf = mem.per_thread<A>(me, 1, std::max(D, Dv) * tw);
+  A* qall = mem.per_thread<A>(me, 2, M * Bq * D);
+  A* oall = mem.per_thread<A>(me, 3, M * Bq * Dv);
   Buffer<A> row_d(Bq * M);  // [row][m]: D summed over the team
   A* my_d = ws.d_part.data() + tid * M * Bq;
   // The same keys of the next kv head, for the packing routines to prefetch.
@@ -195,8 +220,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     if (c1 > c0)
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
-        pack_rows<A>(nl, D, row_ptr(q, b, h, t0 + lo), q.stride[2], qall.data() + (m * Bq + lo) * D, D, scale);
-        pack_rows<A>(nl, Dv, row_ptr(dout, b, h, t0 + lo), dout.stride[2], oall.data() + (m * Bq + lo) * Dv, Dv);
+        pack_rows<A>(nl, D, row_ptr(q, b, h, t0 + lo), q.stride[2], qall + (m * Bq + lo) * D, D, scale);
+        pack_rows<A>(nl, Dv, row_ptr(dout, b, h, t0 + lo), dout.stride[2], oall + (m * Bq + lo) * Dv, Dv);
       }
 
     // Pass 1.
@@ -208,10 +233,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       for (index_t m = 0; m < M; ++m) {
         const index_t hk = (g * M + m) / group_of_kv;
         // Scores from the packed, scaled Q rows (contiguous) rather than the caller's (a page apart).
-        gemm_abt<A>(nl, n, D, qall.data() + (m * Bq + lo) * D, D, row_ptr(k, b, hk, cs), k.stride[2],
-                    Ls + lo * rs + m * tw, rs, A(1), kbuf.data(), next_head(k, m, cs));
-        gemm_abt<A>(nl, n, Dv, oall.data() + (m * Bq + lo) * Dv, Dv, row_ptr(v, b, hk, cs), v.stride[2],
-                    dPs + lo * rs + m * tw, rs, A(1), kbuf.data(), next_head(v, m, cs));
+        gemm_abt<A>(nl, n, D, qall + (m * Bq + lo) * D, D, row_ptr(k, b, hk, cs), k.stride[2],
+                    Ls + lo * rs + m * tw, rs, A(1), kbuf, next_head(k, m, cs));
+        gemm_abt<A>(nl, n, Dv, oall + (m * Bq + lo) * Dv, Dv, row_ptr(v, b, hk, cs), v.stride[2],
+                    dPs + lo * rs + m * tw, rs, A(1), kbuf, next_head(v, m, cs));
       }
       // Chunks outer: a chunk's key-wise terms stay in L1 while every row uses them.
       if (pre.on)
@@ -235,16 +260,16 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         }
       }
       // P' = Compose_post(P) (P itself without post compose), then dV += P'^T dO.
-      const A* Pt = post.on ? ptile.data() : Ps;
+      const A* Pt = post.on ? ptile : Ps;
       if (post.on)
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i)
-            post_fn(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, ptile.data() + i * rs + (s - cs),
+            post_fn(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, ptile + i * rs + (s - cs),
                     tw, nullptr, scratch.data());
         }
       for (index_t m = 0; m < M; ++m)
-        gemm_nn<A>(n, Dv, nl, Pt + lo * rs + m * tw, 1, rs, oall.data() + (m * Bq + lo) * Dv, Dv,
+        gemm_nn<A>(n, Dv, nl, Pt + lo * rs + m * tw, 1, rs, oall + (m * Bq + lo) * Dv, Dv,
                    row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true);
       if (post.on) {
         for (index_t s = cs; s < ce; s += kChunk) {
@@ -271,7 +296,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       }
     // Alone on the group, a thread writes straight to the caller's gradient.
     auto dq_rows = [&](index_t m) {
-      return nth == 1 ? row_ptr(dq, b, g * M + m, t0) : ws.dq_part.data() + (tid * M + m) * Bq * D;
+      return nth == 1 ? row_ptr(dq, b, g * M + m, t0) : ws.dq_part + (tid * M + m) * Bq * D;
     };
     const index_t ldq = nth == 1 ? dq.stride[2] : D;
     for (index_t m = 0; m < M; ++m)
@@ -304,7 +329,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           }
         }
       for (index_t m = 0; m < M; ++m)
-        gemm_nn<A>(n, D, nl, dPs + lo * rs + m * tw, 1, rs, qall.data() + (m * Bq + lo) * D, D,
+        gemm_nn<A>(n, D, nl, dPs + lo * rs + m * tw, 1, rs, qall + (m * Bq + lo) * D, D,
                    row_ptr(dk, b, (g * M + m) / group_of_kv, cs), dk.stride[2], true);
     }
     // dQ = dL K head by head, after the tiles: per tile, every head's dQ rows (M x Bq x D values,
@@ -318,7 +343,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         if (cs + tw < c1) prefetch_rows(dL + ws.slab, nl, rs, std::min(tw, c1 - cs - tw) * index_t(sizeof(A)));
         else if (m + 1 < M) prefetch_rows(ws.slab_of(ws.dPp, tid, 0) + lo * rs + (m + 1) * tw, nl, rs, std::min(tw, c1 - c0) * index_t(sizeof(A)));
         gemm_ab<A>(nl, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows(m) + lo * ldq, ldq, cs > c0,
-                   kbuf.data(), scale, cs + tw < c1 ? row_ptr(k, b, hk, cs + tw) : nullptr);
+                   kbuf, scale, cs + tw < c1 ? row_ptr(k, b, hk, cs + tw) : nullptr);
       }
     }
     team.sync();
@@ -326,7 +351,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     // 3. Sum dQ and the query-wise gradients over the team, a share of the rows each.
     index_t r0, r1;
     split_range(0, nr, tid, nth, 1, r0, r1);
-    if (nth > 1) sum_team_parts<T, A>(team, ws.dq_part.data(), M, Bq, nr, D, dq, b, g * M, t0);
+    if (nth > 1) sum_team_parts<T, A>(team, ws.dq_part, M, Bq, nr, D, dq, b, g * M, t0);
     for (index_t i = r0; i < r1; ++i) {
       store_row_grads(pre, ws.pre_rg.data() + set, Bq, nth, i, dcw.pre, b, t0 + i, g);
       store_row_grads(post, ws.post_rg.data() + set, Bq, nth, i, dcw.post, b, t0 + i, g);
@@ -351,7 +376,8 @@ template <class T>
 void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorView<const T, 4> q,
               TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
               TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
-              TensorView<T, 4> dv, const ComposeWeights<T>& cw, const ComposeGrads<T>& dcw) {
+              TensorView<T, 4> dv, const ComposeWeights<T>& cw, const ComposeGrads<T>& dcw,
+              Workspace& mem) {
   using A = acc_t<T>;
   static_assert(std::is_same_v<A, T>, "storage narrower than the accumulator is not supported yet");
   using namespace detail_bwd;
@@ -376,11 +402,15 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
     return buf.empty() ? nullptr : buf.data() + ((b * team_size_ + rank) * G + g) * M * M;
   };
 
+  mem.reserve_slots(nt);
   if (independent) {
+    // Every thread's panels in one Workspace block (shared with the forward's, see there).
+    const index_t private_size = BackwardWorkspace<A>::memory_size(d, mask, cw, 1);
+    A* panels = mem.shared<A>(0, nt * private_size);
 #pragma omp parallel num_threads(nt)
     {
       BackwardWorkspace<A> ws;
-      ws.init(d, mask, cw, 1);
+      ws.init(d, mask, cw, 1, panels + thread_id() * private_size);
 #pragma omp for schedule(dynamic, 1)
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / (G / groups_per_item), g0 = it % (G / groups_per_item) * groups_per_item;
@@ -392,12 +422,12 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
           }
         for (index_t g = g0; g < g0 + groups_per_item; ++g)
           backward_group(Team{0, 1}, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk, dv, cw,
-                         dcw, dw_slot(dw_pre, b, 0, g), dw_slot(dw_post, b, 0, g));
+                         dcw, dw_slot(dw_pre, b, 0, g), dw_slot(dw_post, b, 0, g), mem);
       }
     }
   } else {
     BackwardWorkspace<A> ws;
-    ws.init(d, mask, cw, nt);
+    ws.init(d, mask, cw, nt, mem.shared<A>(0, BackwardWorkspace<A>::memory_size(d, mask, cw, nt)));
 #pragma omp parallel num_threads(nt)
     {
       const Team team{thread_id(), team_size()};
@@ -407,7 +437,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
       for (index_t b = 0; b < d.B; ++b)
         for (index_t g = 0; g < G; ++g)
           backward_group(team, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk, dv, cw, dcw,
-                         dw_slot(dw_pre, b, team.rank, g), dw_slot(dw_post, b, team.rank, g));
+                         dw_slot(dw_pre, b, team.rank, g), dw_slot(dw_post, b, team.rank, g), mem);
     }
   }
 

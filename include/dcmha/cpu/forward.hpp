@@ -21,6 +21,7 @@
 #include "../config.hpp"
 #include "../detail/dims.hpp"
 #include "../tensor.hpp"
+#include "../workspace.hpp"
 #include "compose.hpp"
 #include "compose_simd.hpp"
 #include "gemm.hpp"
@@ -77,13 +78,14 @@ struct SlabLayout {
   index_t slab_offset(int rank, index_t t) const { return (rank * tiles + t) * slab; }
 };
 
-/// Buffers one team shares while it works on one (batch, group).
+/// Buffers one team shares while it works on one (batch, group). The panel and the partial
+/// outputs live in the call's Workspace (memory_size() values), the rest is small.
 template <class A>
 struct ForwardWorkspace : SlabLayout {
   index_t Bq = 0;
-  Buffer<A> panel;             // [rank][tile][row][m][key]
+  A* panel = nullptr;          // [rank][tile][row][m][key], see SlabLayout
+  A* o_part = nullptr;         // [rank][m][row][Dv], teams of more than one thread only
   Buffer<A> row_max, row_sum;  // [rank][m][row]
-  Buffer<A> o_part;            // [rank][m][row][Dv]
 
   /// Rows per query block. The panel's cache footprint does not matter (slabs do), only its
   /// memory: 64 MiB.
@@ -91,18 +93,34 @@ struct ForwardWorkspace : SlabLayout {
     return query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1, index_t(64) << 20);
   }
 
+  /// Values of Workspace memory one team of team_size threads needs.
+  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
+    ForwardWorkspace w;
+    w.layout(d, mask, team_size);
+    return w.panel_size(team_size) + w.o_part_size(d, team_size);
+  }
+
+  /// `memory`: memory_size() values, written before they are read.
+  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size, A* memory) {
+    layout(d, mask, team_size);
+    panel = memory;
+    o_part = memory + panel_size(team_size);
+    row_max.assign(team_size * d.M * Bq, A(0));
+    row_sum.assign(team_size * d.M * Bq, A(0));
+  }
+  A* slab_of(int rank, index_t t) { return panel + slab_offset(rank, t); }
+
+ private:
   /// A tile's slab, M x Bq x tile values, is produced and consumed while it is still in L2 (half
   /// of it). Sweeping the whole panel once per step instead made DCMHA memory-bound (tens of MiB
   /// at M = 32).
-  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
+  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
     Bq = block_rows(d, mask);
     init_slabs<A>(d.M, Bq, 1, index_t(512) << 10, mask.max_block_keys(Bq), team_size);
-    panel.assign(panel_size(team_size), scratch_init<A>());
-    row_max.assign(team_size * d.M * Bq, A(0));
-    row_sum.assign(team_size * d.M * Bq, A(0));
-    o_part.assign(team_size * d.M * Bq * d.Dv, A(0));
   }
-  A* slab_of(int rank, index_t t) { return panel.data() + slab_offset(rank, t); }
+  index_t o_part_size(const detail::AttentionDims& d, int team_size) const {
+    return team_size > 1 ? team_size * d.M * Bq * d.Dv : 0;
+  }
 };
 
 /// Both sides' compose inputs of one (batch, group) in kernel layout; read-only once loaded.
@@ -278,7 +296,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     // Alone on the group, a thread accumulates straight into the caller's output.
     const index_t ldo = nth == 1 ? out.stride[2] : Dv;
     auto out_rows = [&](index_t m) {
-      return nth == 1 ? row_ptr(out, b, g * M + m, t0) : ws.o_part.data() + (tid * M + m) * Bq * Dv;
+      return nth == 1 ? row_ptr(out, b, g * M + m, t0) : ws.o_part + (tid * M + m) * Bq * Dv;
     };
     for (index_t m = 0; m < M; ++m)
       for (index_t i = 0; i < nr; ++i) std::fill(out_rows(m) + i * ldo, out_rows(m) + i * ldo + Dv, A(0));
@@ -318,14 +336,16 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     team.sync();
 
     // Sum the partial outputs in thread order; each thread writes a share of the rows.
-    sum_team_parts<T, A>(team, ws.o_part.data(), M, Bq, nr, Dv, out, b, g * M, t0);
+    sum_team_parts<T, A>(team, ws.o_part, M, Bq, nr, Dv, out, b, g * M, t0);
   }
 }
 
+/// `mem`: where the panels go (a caller's Workspace kept between calls, or a fresh one).
 template <class T>
 void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorView<const T, 4> q,
              TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,
-             TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& cw, const KeyRing& ring = {}) {
+             TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& cw, Workspace& mem,
+             const KeyRing& ring = {}) {
   using A = acc_t<T>;
   static_assert(std::is_same_v<A, T>, "storage narrower than the accumulator is not supported yet");
   const int nt = thread_count(cfg.num_threads);
@@ -334,13 +354,18 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   const index_t items = d.B * d.G;
   const index_t Bq = ForwardWorkspace<A>::block_rows(d, mask);
   const index_t blocks = (d.T + Bq - 1) / Bq;
+  // Threads with a private panel each: one Workspace block for all of them, so that forward
+  // and backward calls share (and keep) one buffer for their panels.
+  const index_t private_size = ForwardWorkspace<A>::memory_size(d, mask, 1);
+  mem.reserve_slots(nt);
 
   if (independent_items(items, nt)) {
     // Many (batch, group) items: each thread takes whole ones and never waits on another.
+    A* panels = mem.shared<A>(0, nt * private_size);
 #pragma omp parallel num_threads(nt)
     {
       ForwardWorkspace<A> ws;
-      ws.init(d, mask, 1);
+      ws.init(d, mask, 1, panels + thread_id() * private_size);
       ComposeSides<A> sides;
       sides.init(d, cw, ring);
       ForwardRows<A> rows(sides, ws, d);
@@ -359,11 +384,12 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
     // Few items but many query blocks: the team loads an item's compose inputs together, then
     // each thread takes whole query blocks with a private panel (no barriers inside a block).
     // Largest causal blocks first, so the dynamic schedule ends on small ones.
+    A* panels = mem.shared<A>(0, nt * private_size);
 #pragma omp parallel num_threads(nt)
     {
       const Team team{thread_id(), team_size()};
       ForwardWorkspace<A> ws;
-      ws.init(d, mask, 1);
+      ws.init(d, mask, 1, panels + team.rank * private_size);
       ForwardRows<A> rows(sides, ws, d);
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
@@ -377,7 +403,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   }
   // Few rows (decoding, short prompts): the whole team shares each block's keys.
   ForwardWorkspace<A> ws;
-  ws.init(d, mask, nt);
+  ws.init(d, mask, nt, mem.shared<A>(0, ForwardWorkspace<A>::memory_size(d, mask, nt)));
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};

@@ -21,6 +21,8 @@
 // cfg: scale and num_threads as in forward(); mask must be causal and window 0 or the cache's
 // (the cache's window is used); query_lengths / key_lengths must be empty (the cache supplies
 // them). A padded batch passes counts to append(); rows t >= counts[b] of out are then zero.
+// decode(..., out, workspace) keeps the kernel's buffers in a Workspace between steps (one per
+// decoding thread; see workspace.hpp) instead of allocating them every step.
 #include <algorithm>
 #include <vector>
 
@@ -31,6 +33,7 @@
 #include "../dynamic_weights.hpp"
 #include "../error.hpp"
 #include "../tensor.hpp"
+#include "../workspace.hpp"
 #include "decode_cache.hpp"
 
 namespace dcmha {
@@ -90,7 +93,7 @@ void check_query_side(const char* fn, const ComposeWeights<T>& qs, const DecodeC
 
 template <class T>
 void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new, const DecodeCache<T>& cache,
-                 const ComposeWeights<T>& query_side, TensorView<T, 4> out) {
+                 const ComposeWeights<T>& query_side, TensorView<T, 4> out, Workspace* workspace) {
   const char* fn = "dcmha::decode";
   const DecodeCacheConfig& cc = cache.config();
   if (cfg.mask != Mask::causal)
@@ -152,7 +155,9 @@ void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new, const
   const AttentionDims dims = validate_forward<T>(fn, c2, q_new, k, v, out, {}, cw);
   cpu::KeyRing ring;
   if (cache.local()) ring = {cap, view<1>(static_cast<const index_t*>(start.data()), {B})};
-  cpu::forward(c2, dims, q_new, k, v, out, TensorView<acc_t<T>, 3>{}, cw, ring);
+  Workspace call_memory;
+  cpu::forward(c2, dims, q_new, k, v, out, TensorView<acc_t<T>, 3>{}, cw,
+               workspace ? *workspace : call_memory, ring);
 }
 
 }  // namespace detail
@@ -162,11 +167,16 @@ void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new, const
   inline void decode(const AttentionConfig& cfg, TensorView<const T, 4> q_new,                      \
                      const DecodeCache<T>& cache, const ComposeWeights<T>& query_side,              \
                      TensorView<T, 4> out) {                                                        \
-    detail::decode_impl<T>(cfg, q_new, cache, query_side, out);                                    \
+    detail::decode_impl<T>(cfg, q_new, cache, query_side, out, nullptr);                           \
   }                                                                                                 \
   inline void decode(const AttentionConfig& cfg, TensorView<const T, 4> q_new,                      \
                      const DecodeCache<T>& cache, TensorView<T, 4> out) {                           \
-    detail::decode_impl<T>(cfg, q_new, cache, ComposeWeights<T>{}, out);                           \
+    detail::decode_impl<T>(cfg, q_new, cache, ComposeWeights<T>{}, out, nullptr);                  \
+  }                                                                                                 \
+  inline void decode(const AttentionConfig& cfg, TensorView<const T, 4> q_new,                      \
+                     const DecodeCache<T>& cache, const ComposeWeights<T>& query_side,              \
+                     TensorView<T, 4> out, Workspace& workspace) {                                  \
+    detail::decode_impl<T>(cfg, q_new, cache, query_side, out, &workspace);                        \
   }
 
 DCMHA_DEFINE_DECODE_ENTRY_POINTS(float)
