@@ -99,13 +99,15 @@ struct BackwardWorkspace : SlabLayout {
   // this block's query-wise gradients.
   std::vector<ComposeRowGrads<A>> pre_rg, post_rg;  // [set][rank][row]
 
-  /// Values of Workspace memory one team of team_size threads needs.
+  /// Values of Workspace memory one team of team_size threads needs, whole cache lines (see
+  /// ForwardWorkspace::memory_size).
   template <class T>
   static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask,
                              const ComposeWeights<T>& cw, int team_size) {
     BackwardWorkspace w;
     w.layout(d, mask, team_size);
-    return (cw.pre.enabled() ? 3 : 2) * w.panel_size(team_size) + w.dq_part_size(d, team_size);
+    return round_up((cw.pre.enabled() ? 3 : 2) * w.panel_size(team_size) + w.dq_part_size(d, team_size),
+                    64 / index_t(sizeof(A)));
   }
 
   /// `memory`: memory_size() values, written before they are read.

@@ -93,11 +93,13 @@ struct ForwardWorkspace : SlabLayout {
     return query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1, index_t(64) << 20);
   }
 
-  /// Values of Workspace memory one team of team_size threads needs.
+  /// Values of Workspace memory one team of team_size threads needs: whole cache lines, so that
+  /// panels carved one after another from a block keep its alignment, which the order of the
+  /// reductions over them depends on (Buffer, tile.hpp).
   static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
     ForwardWorkspace w;
     w.layout(d, mask, team_size);
-    return w.panel_size(team_size) + w.o_part_size(d, team_size);
+    return round_up(w.panel_size(team_size) + w.o_part_size(d, team_size), 64 / index_t(sizeof(A)));
   }
 
   /// `memory`: memory_size() values, written before they are read.
