@@ -894,4 +894,24 @@ TYPED_TEST(Validation, RejectsComposeGradOverlapping) {
   }
 }
 
+// A Workspace that another call holds (simulated by holding it here) is refused, not shared;
+// once released it serves again.
+TYPED_TEST(Validation, RejectsWorkspaceInUse) {
+  Problem<TypeParam> p;
+  p.compose_all();
+  dcmha::Workspace ws;
+  {
+    const dcmha::detail::WorkspaceAccess::Use other_call("test", ws);
+    const char* needle = "workspace: expected a Workspace no other call is using";
+    expect_rejected("dcmha::forward", [&] { dcmha::forward(p.cfg, p.q, p.k, p.v, p.out, p.lse, p.cw, ws); },
+                    {needle});
+    expect_rejected("dcmha::backward",
+                    [&] { dcmha::backward(p.cfg, p.q, p.k, p.v, p.lse, p.dout, p.dq, p.dk, p.dv, p.cw, p.cg, ws); },
+                    {needle});
+  }
+  EXPECT_NO_THROW(dcmha::forward(p.cfg, p.q, p.k, p.v, p.out, p.lse, p.cw, ws));
+  EXPECT_NO_THROW(dcmha::backward(p.cfg, p.q, p.k, p.v, p.lse, p.dout, p.dq, p.dk, p.dv, p.cw, p.cg, ws));
+  EXPECT_GT(ws.bytes(), 0u);
+}
+
 }  // namespace

@@ -31,7 +31,9 @@ void forward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorVi
                   const ComposeWeights<T>& compose, Workspace* workspace) {
   const AttentionDims dims = validate_forward("dcmha::forward", cfg, q, k, v, out, lse, compose);
   Workspace call_memory;
-  cpu::forward(cfg, dims, q, k, v, out, lse, compose, workspace ? *workspace : call_memory);
+  Workspace& mem = workspace ? *workspace : call_memory;
+  const WorkspaceAccess::Use use("dcmha::forward", mem);
+  cpu::forward(cfg, dims, q, k, v, out, lse, compose, mem);
 }
 
 template <class T>
@@ -43,8 +45,9 @@ void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorV
   const AttentionDims dims = validate_backward("dcmha::backward", cfg, q, k, v, lse, dout, dq, dk,
                                                dv, compose, dcompose);
   Workspace call_memory;
-  cpu::backward(cfg, dims, q, k, v, lse, dout, dq, dk, dv, compose, dcompose,
-                workspace ? *workspace : call_memory);
+  Workspace& mem = workspace ? *workspace : call_memory;
+  const WorkspaceAccess::Use use("dcmha::backward", mem);
+  cpu::backward(cfg, dims, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, mem);
 }
 }  // namespace detail
 

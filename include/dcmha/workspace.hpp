@@ -1,25 +1,32 @@
 #pragma once
 // Workspace: the attention kernels' scratch memory, kept between calls.
+#include <atomic>
 #include <cstddef>
 #include <limits>
 #include <new>
 #include <utility>
 #include <vector>
 
+#include "error.hpp"
 #include "tensor.hpp"
 
 namespace dcmha {
 
+namespace detail {
+struct WorkspaceAccess;
+}
+
 /// Memory the attention kernels work in (the DCMHA score panels, per-thread tiles and partial
-/// sums), kept between calls. forward() and backward() given a Workspace take their buffers from
-/// it, growing them when a call needs more, and leave them there for the next call; without one
-/// a call allocates its own and frees them on return. Freshly allocated memory costs a page
-/// fault per page on first touch (5% of a DCMHA forward at H32/D128/T1024 here), so code that
-/// calls attention again and again (a training loop, layer after layer) should keep one.
+/// sums), kept between calls. forward(), backward() and decode() given a Workspace take their
+/// buffers from it, growing them when a call needs more, and leave them there for the next call;
+/// without one a call allocates its own and frees them on return. Freshly allocated memory costs
+/// a page fault per page on first touch (about 5% of a DCMHA forward at H32/D128/T1024 here), so
+/// code that calls attention again and again (a training loop, layer after layer) should keep one.
 ///
-/// One call at a time: the buffers are not shared between concurrent calls, so a program that
-/// calls dcmha from several threads at once keeps one Workspace per calling thread. The memory
-/// held is about what the largest call needed: bytes() tells, release() frees it.
+/// One call at a time: a call that finds its Workspace in use by another call throws
+/// dcmha::Error instead of sharing the buffers, so a program that calls dcmha from several
+/// threads at once keeps one Workspace per calling thread. The memory held is about what the
+/// largest call needed: bytes() tells, release() frees it.
 class Workspace {
  public:
   Workspace() = default;
@@ -47,32 +54,13 @@ class Workspace {
     blocks_.clear();
   }
 
-  // The kernels' side. A call first reserves its slots (one thread, before any parallel region),
-  // then each thread asks only for its own: shared slots by the thread that set the team up,
-  // per-thread slots by their owner, so no two threads touch one slot's block.
-
-  /// Buffers per owner: the most any kernel keeps in a workspace at once.
-  static constexpr int kSlotsPerOwner = 4;
-
-  /// Makes room for kSlotsPerOwner shared slots and as many for each of `threads` threads.
-  void reserve_slots(int threads) {
-    const std::size_t n = std::size_t(1 + threads) * kSlotsPerOwner;
-    if (blocks_.size() < n) blocks_.resize(n);
-  }
-  /// Shared buffer k (< kSlotsPerOwner) of at least `count` values of S.
-  template <class S>
-  S* shared(int k, index_t count) {
-    return blocks_[k].template get<S>(count);
-  }
-  /// Buffer k of thread `thread` (< the threads reserved), at least `count` values of S.
-  template <class S>
-  S* per_thread(int thread, int k, index_t count) {
-    return blocks_[std::size_t(1 + thread) * kSlotsPerOwner + k].template get<S>(count);
-  }
-
  private:
-  /// Cache-line aligned (the kernels' vector loads and false sharing between threads' buffers).
+  friend struct detail::WorkspaceAccess;
+
+  /// Cache-line aligned (the kernels' vector loads, and no false sharing between threads' blocks).
   static constexpr std::size_t kAlign = 64;
+  /// Blocks per owner (the call's shared ones, then each thread's).
+  static constexpr int kSlotsPerOwner = 4;
 
   struct Block {
     void* p = nullptr;
@@ -99,8 +87,50 @@ class Workspace {
       bytes = 0;
     }
   };
-  // Blocks are moved when the vector grows, which only reserve_slots does (single-threaded).
+  // Resized only by reserve_slots, before a call's parallel region; Blocks are plain handles.
   std::vector<Block> blocks_;
+  std::atomic<bool> busy_{false};
 };
 
+namespace detail {
+
+/// The kernels' side of a Workspace. A call holds it (Use) for its whole duration, reserves its
+/// slots before its parallel region, then each thread asks only for its own blocks: shared ones
+/// by the thread that sets the team up, per-thread ones by their owner, so no two threads touch
+/// one block and the table is never resized while threads read it.
+struct WorkspaceAccess {
+  /// Marks a Workspace in use for one call's lifetime.
+  class Use {
+   public:
+    Use(const char* fn, Workspace& w) : w_(w) {
+      if (w_.busy_.exchange(true, std::memory_order_acquire))
+        fail(fn, ": workspace: expected a Workspace no other call is using (keep one per calling "
+             "thread), got one in use");
+    }
+    ~Use() { w_.busy_.store(false, std::memory_order_release); }
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+
+   private:
+    Workspace& w_;
+  };
+
+  /// Makes room for the shared slots and as many for each of `threads` threads.
+  static void reserve_slots(Workspace& w, int threads) {
+    const std::size_t n = std::size_t(1 + threads) * Workspace::kSlotsPerOwner;
+    if (w.blocks_.size() < n) w.blocks_.resize(n);
+  }
+  /// Shared block k (< 4) of at least `count` values of S.
+  template <class S>
+  static S* shared(Workspace& w, int k, index_t count) {
+    return w.blocks_[std::size_t(k)].template get<S>(count);
+  }
+  /// Block k (< 4) of thread `thread` (< the threads reserved), at least `count` values of S.
+  template <class S>
+  static S* per_thread(Workspace& w, int thread, int k, index_t count) {
+    return w.blocks_[std::size_t(1 + thread) * Workspace::kSlotsPerOwner + std::size_t(k)].template get<S>(count);
+  }
+};
+
+}  // namespace detail
 }  // namespace dcmha

@@ -180,10 +180,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   // operands of the tile products (gemm.hpp): a key tile of K or V, and this block's rows of Q
   // (scaled) and dO for every head, packed once per block and shared by every tile.
   const int me = thread_id();
-  A* ptile = post.on ? mem.per_thread<A>(me, 0, ws.slab) : nullptr;
-  A* kbuf = mem.per_thread<A>(me, 1, std::max(D, Dv) * tw);
-  A* qall = mem.per_thread<A>(me, 2, M * Bq * D);
-  A* oall = mem.per_thread<A>(me, 3, M * Bq * Dv);
+  A* ptile = post.on ? detail::WorkspaceAccess::per_thread<A>(mem, me, 0, ws.slab) : nullptr;
+  A* kbuf = detail::WorkspaceAccess::per_thread<A>(mem, me, 1, std::max(D, Dv) * tw);
+  A* qall = detail::WorkspaceAccess::per_thread<A>(mem, me, 2, M * Bq * D);
+  A* oall = detail::WorkspaceAccess::per_thread<A>(mem, me, 3, M * Bq * Dv);
   Buffer<A> row_d(Bq * M);  // [row][m]: D summed over the team
   A* my_d = ws.d_part.data() + tid * M * Bq;
   // The same keys of the next kv head, for the packing routines to prefetch.
@@ -404,11 +404,11 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
     return buf.empty() ? nullptr : buf.data() + ((b * team_size_ + rank) * G + g) * M * M;
   };
 
-  mem.reserve_slots(nt);
+  detail::WorkspaceAccess::reserve_slots(mem, nt);
   if (independent) {
     // Every thread's panels in one Workspace block (shared with the forward's, see there).
     const index_t private_size = BackwardWorkspace<A>::memory_size(d, mask, cw, 1);
-    A* panels = mem.shared<A>(0, nt * private_size);
+    A* panels = detail::WorkspaceAccess::shared<A>(mem, 0, nt * private_size);
 #pragma omp parallel num_threads(nt)
     {
       BackwardWorkspace<A> ws;
@@ -429,7 +429,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
     }
   } else {
     BackwardWorkspace<A> ws;
-    ws.init(d, mask, cw, nt, mem.shared<A>(0, BackwardWorkspace<A>::memory_size(d, mask, cw, nt)));
+    ws.init(d, mask, cw, nt, detail::WorkspaceAccess::shared<A>(mem, 0, BackwardWorkspace<A>::memory_size(d, mask, cw, nt)));
 #pragma omp parallel num_threads(nt)
     {
       const Team team{thread_id(), team_size()};

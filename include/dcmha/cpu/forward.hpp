@@ -359,11 +359,11 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   // Threads with a private panel each: one Workspace block for all of them, so that forward
   // and backward calls share (and keep) one buffer for their panels.
   const index_t private_size = ForwardWorkspace<A>::memory_size(d, mask, 1);
-  mem.reserve_slots(nt);
+  detail::WorkspaceAccess::reserve_slots(mem, nt);
 
   if (independent_items(items, nt)) {
     // Many (batch, group) items: each thread takes whole ones and never waits on another.
-    A* panels = mem.shared<A>(0, nt * private_size);
+    A* panels = detail::WorkspaceAccess::shared<A>(mem, 0, nt * private_size);
 #pragma omp parallel num_threads(nt)
     {
       ForwardWorkspace<A> ws;
@@ -386,7 +386,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
     // Few items but many query blocks: the team loads an item's compose inputs together, then
     // each thread takes whole query blocks with a private panel (no barriers inside a block).
     // Largest causal blocks first, so the dynamic schedule ends on small ones.
-    A* panels = mem.shared<A>(0, nt * private_size);
+    A* panels = detail::WorkspaceAccess::shared<A>(mem, 0, nt * private_size);
 #pragma omp parallel num_threads(nt)
     {
       const Team team{thread_id(), team_size()};
@@ -405,7 +405,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   }
   // Few rows (decoding, short prompts): the whole team shares each block's keys.
   ForwardWorkspace<A> ws;
-  ws.init(d, mask, nt, mem.shared<A>(0, ForwardWorkspace<A>::memory_size(d, mask, nt)));
+  ws.init(d, mask, nt, detail::WorkspaceAccess::shared<A>(mem, 0, ForwardWorkspace<A>::memory_size(d, mask, nt)));
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};

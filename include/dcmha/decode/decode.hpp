@@ -156,8 +156,9 @@ void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new, const
   cpu::KeyRing ring;
   if (cache.local()) ring = {cap, view<1>(static_cast<const index_t*>(start.data()), {B})};
   Workspace call_memory;
-  cpu::forward(c2, dims, q_new, k, v, out, TensorView<acc_t<T>, 3>{}, cw,
-               workspace ? *workspace : call_memory, ring);
+  Workspace& mem = workspace ? *workspace : call_memory;
+  const WorkspaceAccess::Use use(fn, mem);
+  cpu::forward(c2, dims, q_new, k, v, out, TensorView<acc_t<T>, 3>{}, cw, mem, ring);
 }
 
 }  // namespace detail
