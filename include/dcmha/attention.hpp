@@ -30,10 +30,8 @@ void forward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorVi
                   TensorView<const T, 4> v, TensorView<T, 4> out, TensorView<acc_t<T>, 3> lse,
                   const ComposeWeights<T>& compose, Workspace* workspace) {
   const AttentionDims dims = validate_forward("dcmha::forward", cfg, q, k, v, out, lse, compose);
-  Workspace call_memory;
-  Workspace& mem = workspace ? *workspace : call_memory;
-  const WorkspaceAccess::Use use("dcmha::forward", mem);
-  cpu::forward(cfg, dims, q, k, v, out, lse, compose, mem);
+  WorkspaceAccess::CallMemory mem("dcmha::forward", workspace);
+  cpu::forward(cfg, dims, q, k, v, out, lse, compose, mem.get());
 }
 
 template <class T>
@@ -44,10 +42,8 @@ void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorV
                    const ComposeGrads<T>& dcompose, Workspace* workspace) {
   const AttentionDims dims = validate_backward("dcmha::backward", cfg, q, k, v, lse, dout, dq, dk,
                                                dv, compose, dcompose);
-  Workspace call_memory;
-  Workspace& mem = workspace ? *workspace : call_memory;
-  const WorkspaceAccess::Use use("dcmha::backward", mem);
-  cpu::backward(cfg, dims, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, mem);
+  WorkspaceAccess::CallMemory mem("dcmha::backward", workspace);
+  cpu::backward(cfg, dims, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, mem.get());
 }
 }  // namespace detail
 

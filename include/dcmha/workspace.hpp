@@ -115,6 +115,19 @@ struct WorkspaceAccess {
     Workspace& w_;
   };
 
+  /// The memory of one public call: the caller's Workspace, held (Use) for the call, or a fresh
+  /// one of the call's own.
+  class CallMemory {
+   public:
+    CallMemory(const char* fn, Workspace* caller) : mem_(caller ? *caller : own_), use_(fn, mem_) {}
+    Workspace& get() { return mem_; }
+
+   private:
+    Workspace own_;  // declared first: mem_ may refer to it
+    Workspace& mem_;
+    Use use_;
+  };
+
   /// Makes room for the shared slots and as many for each of `threads` threads.
   static void reserve_slots(Workspace& w, int threads) {
     const std::size_t n = std::size_t(1 + threads) * Workspace::kSlotsPerOwner;

@@ -155,10 +155,8 @@ void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new, const
   const AttentionDims dims = validate_forward<T>(fn, c2, q_new, k, v, out, {}, cw);
   cpu::KeyRing ring;
   if (cache.local()) ring = {cap, view<1>(static_cast<const index_t*>(start.data()), {B})};
-  Workspace call_memory;
-  Workspace& mem = workspace ? *workspace : call_memory;
-  const WorkspaceAccess::Use use(fn, mem);
-  cpu::forward(c2, dims, q_new, k, v, out, TensorView<acc_t<T>, 3>{}, cw, mem, ring);
+  WorkspaceAccess::CallMemory mem(fn, workspace);
+  cpu::forward(c2, dims, q_new, k, v, out, TensorView<acc_t<T>, 3>{}, cw, mem.get(), ring);
 }
 
 }  // namespace detail
