@@ -251,6 +251,23 @@ struct Problem {
   void backward(const ProjectionConfig& cfg) {
     dcmha::dynamic_weights_backward(cfg, x.v, params(), dout.views(), dx.v, grads());
   }
+  void forward(const ProjectionConfig& cfg, dcmha::ProjectionActivations<T>& keep) {
+    dcmha::dynamic_weights_forward(cfg, x.v, params(), out.views(), keep);
+  }
+  void backward(const ProjectionConfig& cfg, const dcmha::ProjectionActivations<T>& kept) {
+    dcmha::dynamic_weights_backward(cfg, x.v, params(), kept, dout.views(), dx.v, grads());
+  }
+  /// Every result: dx, the parameter gradients, then the outputs split by split.
+  std::vector<std::vector<double>> results() const {
+    std::vector<std::vector<double>> all{dx.get(), gdw1.get(), gqkw.get(), gdd.get()};
+    const ref::ProjectionOutputs o = out.get();
+    for (int c = 0; c < 4; ++c) {
+      all.push_back(o.w1[c]);
+      all.push_back(o.w2[c]);
+      all.push_back(o.dd[c]);
+    }
+    return all;
+  }
   bool outputs_outside_untouched() const {
     return out.outside_untouched() && dx.outside_untouched() && gdw1.outside_untouched() &&
            gqkw.outside_untouched() && gdd.outside_untouched();
@@ -455,12 +472,21 @@ void production_vs_reference(const ProdCase& pc, double tol) {
     EXPECT_TRUE(pr.outputs_outside_untouched());
 
     // Same thread count, same bits.
-    std::vector<std::vector<double>> all{pr.dx.get(), pr.gdw1.get(), pr.gqkw.get(),
-                                         pr.gdd.get()};
-    for (int c = 0; c < 4; ++c) {
-      all.push_back(got.w1[c]);
-      all.push_back(got.w2[c]);
-      all.push_back(got.dd[c]);
+    const std::vector<std::vector<double>> all = pr.results();
+    // Activations kept by the forward instead of recomputed: the same products, so the same
+    // bits, and the activations are still intact for a second backward.
+    {
+      Problem<T> kept(pc.d, pc.in, pc.out);
+      kept.set(x, p, dout);
+      dcmha::ProjectionActivations<T> act;
+      EXPECT_EQ(act.bytes(), 0u);
+      kept.forward(cfg, act);
+      EXPECT_GT(act.bytes(), 0u);
+      kept.backward(cfg, act);
+      EXPECT_TRUE(kept.results() == all) << "backward from kept activations differs";
+      kept.backward(cfg, act);
+      EXPECT_TRUE(kept.results() == all) << "a second backward from the same activations differs";
+      EXPECT_TRUE(kept.outputs_outside_untouched());
     }
     if (threads == 2) {
       if (!first_run.empty()) {
@@ -898,6 +924,45 @@ TEST_F(ProjectionValidation, OutputsMustBeDistinct) {
   expect_error([&] { bwd(); }, std::string(kBwd) +
                                    "grads.dd: expected memory distinct from output dx, got the "
                                    "same address");
+}
+
+TEST_F(ProjectionValidation, KeptActivations) {
+  auto bwd_kept = [&](const dcmha::ProjectionActivations<float>& kept) {
+    dcmha::dynamic_weights_backward(cfg, x, p, kept, dcmha::read_only(dout), dx, grads);
+  };
+  dcmha::ProjectionActivations<float> act;
+  expect_error([&] { bwd_kept(act); },
+               std::string(kBwd) + "kept: expected the activations a dynamic_weights_forward kept, "
+                                   "got empty ones");
+  dcmha::dynamic_weights_forward(cfg, x, p, out, act);
+  bwd_kept(act);
+
+  // The activations of another shape: L = 2 positions instead of 3.
+  const Dims d2{2, 2, 5, 2, 4, 2, 3};
+  Problem<float> other(d2, Layout::contiguous, Layout::contiguous);
+  dcmha::ProjectionActivations<float> act2;
+  dcmha::dynamic_weights_forward(cfg, other.x.c(), other.params(), other.out.views(), act2);
+  expect_error([&] { bwd_kept(act2); },
+               std::string(kBwd) + "kept: expected the activations of a forward with (B, L, E, G, "
+                                   "K, R, M) = (2, 3, 5, 2, 4, 2, 3) as x and the parameters here, "
+                                   "got those of (2, 2, 5, 2, 4, 2, 3)");
+
+  // Released, then moved from: empty again; a forward fills a moved-from one anew.
+  act.release();
+  EXPECT_EQ(act.bytes(), 0u);
+  expect_error([&] { bwd_kept(act); }, std::string(kBwd) + "kept: expected the activations");
+  dcmha::dynamic_weights_forward(cfg, x, p, out, act);
+  dcmha::ProjectionActivations<float> moved(std::move(act));
+  bwd_kept(moved);
+  expect_error([&] { bwd_kept(act); }, std::string(kBwd) + "kept: expected the activations");
+  dcmha::dynamic_weights_forward(cfg, x, p, out, act);
+  bwd_kept(act);
+
+  // A forward that fails validation leaves kept activations as they were.
+  dcmha::DynamicWeights<float> bad = out;
+  bad.pre.qdd.shape[3] += 1;
+  expect_error([&] { dcmha::dynamic_weights_forward(cfg, x, p, bad, act); }, kFwd);
+  bwd_kept(act);
 }
 
 }  // namespace

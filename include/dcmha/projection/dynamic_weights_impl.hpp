@@ -2,12 +2,13 @@
 // Entry points of the dynamic weight projection (spec section 2), included from the end of
 // dynamic_weights.hpp.
 //
-//   dynamic_weights_forward (cfg, x, p, out)                 x (B, L, E) -> the twelve tensors
-//   dynamic_weights_backward(cfg, x, p, dout, dx, grads)     gradients of sum(out * dout)
+//   dynamic_weights_forward (cfg, x, p, out [, keep])          x (B, L, E) -> the twelve tensors
+//   dynamic_weights_backward(cfg, x, p, [kept,] dout, dx, grads) gradients of sum(out * dout)
 //
 // Shapes: x, dx (B, L, E); dw1 (E, G, 4, K); qkw (G, 4, K, 2R, M); dd (E, G, 4M); w1/w2
-// (B, L, G, R, M); dd outputs (B, L, G, M). Any strides. Outputs are overwritten. The backward
-// recomputes the hidden activations from x: nothing is kept between the two calls.
+// (B, L, G, R, M); dd outputs (B, L, G, M). Any strides. Outputs are overwritten. Without a
+// ProjectionActivations the backward recomputes the hidden activations from x, so nothing is
+// kept between the two calls; with one, the forward keeps them and the backward reads them.
 #include "kernels.hpp"
 #include "validate.hpp"
 
@@ -17,20 +18,24 @@ namespace detail {
 template <class T>
 void dynamic_weights_forward_impl(const ProjectionConfig& cfg, TensorView<const T, 3> x,
                                   const DynamicWeightProjection<T>& p,
-                                  const DynamicWeights<T>& out) {
+                                  const DynamicWeights<T>& out,
+                                  ProjectionActivations<T>* keep = nullptr) {
   const projection::ProjectionDims d =
       projection::validate_forward("dcmha::dynamic_weights_forward", cfg, x, p, out);
-  projection::forward(cfg, d, x, p, out);
+  projection::forward(cfg, d, x, p, out, keep ? &projection::ActivationsAccess::get(*keep) : nullptr);
 }
 
 template <class T>
 void dynamic_weights_backward_impl(const ProjectionConfig& cfg, TensorView<const T, 3> x,
                                    const DynamicWeightProjection<T>& p,
                                    const DynamicWeights<const T>& dout, TensorView<T, 3> dx,
-                                   const DynamicWeightProjectionGrads<T>& grads) {
-  const projection::ProjectionDims d = projection::validate_backward(
-      "dcmha::dynamic_weights_backward", cfg, x, p, dout, dx, grads);
-  projection::backward(cfg, d, x, p, dout, dx, grads);
+                                   const DynamicWeightProjectionGrads<T>& grads,
+                                   const ProjectionActivations<T>* kept = nullptr) {
+  const char* fn = "dcmha::dynamic_weights_backward";
+  const projection::ProjectionDims d = projection::validate_backward(fn, cfg, x, p, dout, dx, grads);
+  const projection::Recomputed<T>* r = kept ? projection::ActivationsAccess::find(*kept) : nullptr;
+  if (kept) projection::check_activations(fn, r, d);
+  projection::backward(cfg, d, x, p, dout, dx, grads, r);
 }
 
 template <class T>
@@ -65,7 +70,44 @@ DynamicWeights<const T> read_only(const DynamicWeights<T>& w) {
                                        const DynamicWeights<T>& dout, TensorView<T, 3> dx,      \
                                        const DynamicWeightProjectionGrads<T>& grads) {          \
     detail::dynamic_weights_backward_impl<T>(cfg, x, p, read_only(dout), dx, grads);             \
+  }                                                                                             \
+  inline void dynamic_weights_forward(const ProjectionConfig& cfg, TensorView<const T, 3> x,    \
+                                      const DynamicWeightProjection<T>& p,                      \
+                                      const DynamicWeights<T>& out, ProjectionActivations<T>& keep) { \
+    detail::dynamic_weights_forward_impl<T>(cfg, x, p, out, &keep);                             \
+  }                                                                                             \
+  inline void dynamic_weights_backward(const ProjectionConfig& cfg, TensorView<const T, 3> x,   \
+                                       const DynamicWeightProjection<T>& p,                     \
+                                       const ProjectionActivations<T>& kept,                    \
+                                       const DynamicWeights<const T>& dout, TensorView<T, 3> dx, \
+                                       const DynamicWeightProjectionGrads<T>& grads) {          \
+    detail::dynamic_weights_backward_impl<T>(cfg, x, p, dout, dx, grads, &kept);                \
+  }                                                                                             \
+  inline void dynamic_weights_backward(const ProjectionConfig& cfg, TensorView<const T, 3> x,   \
+                                       const DynamicWeightProjection<T>& p,                     \
+                                       const ProjectionActivations<T>& kept,                    \
+                                       const DynamicWeights<T>& dout, TensorView<T, 3> dx,      \
+                                       const DynamicWeightProjectionGrads<T>& grads) {          \
+    detail::dynamic_weights_backward_impl<T>(cfg, x, p, read_only(dout), dx, grads, &kept);     \
   }
+
+template <class T>
+ProjectionActivations<T>::ProjectionActivations()
+    : r_(std::make_unique<detail::projection::Recomputed<T>>()) {}
+template <class T>
+ProjectionActivations<T>::~ProjectionActivations() = default;
+template <class T>
+ProjectionActivations<T>::ProjectionActivations(ProjectionActivations&&) noexcept = default;
+template <class T>
+ProjectionActivations<T>& ProjectionActivations<T>::operator=(ProjectionActivations&&) noexcept = default;
+template <class T>
+std::size_t ProjectionActivations<T>::bytes() const {
+  return r_ ? r_->bytes() : 0;
+}
+template <class T>
+void ProjectionActivations<T>::release() {
+  r_ = std::make_unique<detail::projection::Recomputed<T>>();
+}
 
 DCMHA_DEFINE_PROJECTION_ENTRY_POINTS(float)
 DCMHA_DEFINE_PROJECTION_ENTRY_POINTS(double)

@@ -8,6 +8,7 @@
 // deterministic for a fixed thread count.
 #include <Eigen/Core>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #ifdef _OPENMP
@@ -124,15 +125,50 @@ void rows_transpose_times(const RowBlocks<const T>& x, const Rhs& rhs, const Mat
   }
 }
 
-/// Hidden pre-activations and raw w for every row: the part of the forward the backward
-/// recomputes.
+/// Hidden pre-activations and raw w for every row: what the backward needs of the forward,
+/// recomputed there unless the forward kept it (ProjectionActivations).
 template <class T>
 struct Recomputed {
   RowMat<T> hpre;    // (B*L) x (G*4*K), x * dw1
   RowMat<T> hidden;  // GELU(hpre)
   RowMat<T> w;       // (B*L) x (G*4*2R*M), hidden * qkw per (group, split), before the norm
   RowMat<T> ddpre;   // (B*L) x (G*4*M), x * dd
+  ProjectionDims dims;  // of the call that computed them
+  bool filled = false;
+
+  std::size_t bytes() const {
+    return std::size_t(hpre.size() + hidden.size() + w.size() + ddpre.size()) * sizeof(T);
+  }
 };
+
+/// The kernels' way into a ProjectionActivations.
+struct ActivationsAccess {
+  /// A moved-from ProjectionActivations gets fresh storage.
+  template <class T>
+  static Recomputed<T>& get(ProjectionActivations<T>& a) {
+    if (!a.r_) a.r_ = std::make_unique<Recomputed<T>>();
+    return *a.r_;
+  }
+  /// Null for activations that were moved from.
+  template <class T>
+  static const Recomputed<T>* find(const ProjectionActivations<T>& a) {
+    return a.r_.get();
+  }
+};
+
+/// Whether `r` (kept by a forward, or null) is the activations of a call of dims d.
+template <class T>
+void check_activations(const char* fn, const Recomputed<T>* r, const ProjectionDims& d) {
+  if (!r || !r->filled)
+    fail(fn, ": kept: expected the activations a dynamic_weights_forward kept, got empty ones "
+             "(never filled, released or moved from)");
+  const ProjectionDims& k = r->dims;
+  if (k.B != d.B || k.L != d.L || k.E != d.E || k.G != d.G || k.K != d.K || k.R != d.R || k.M != d.M)
+    fail(fn, ": kept: expected the activations of a forward with (B, L, E, G, K, R, M) = (", d.B,
+         ", ", d.L, ", ", d.E, ", ", d.G, ", ", d.K, ", ", d.R, ", ", d.M,
+         ") as x and the parameters here, got those of (", k.B, ", ", k.L, ", ", k.E, ", ", k.G,
+         ", ", k.K, ", ", k.R, ", ", k.M, ")");
+}
 
 template <class T>
 void recompute(const ProjectionConfig& cfg, const ProjectionDims& d,
@@ -157,6 +193,8 @@ void recompute(const ProjectionConfig& cfg, const ProjectionDims& d,
 
   r.ddpre.resize(N, d.G * 4 * d.M);
   rows_times(x, p.dd, r.ddpre);
+  r.dims = d;
+  r.filled = keep_hpre;
 }
 
 template <class U, int N>
@@ -164,16 +202,20 @@ inline U* row_ptr(const TensorView<U, N>& v, index_t b, index_t l, index_t g) {
   return v.data + b * v.stride[0] + l * v.stride[1] + g * v.stride[2];
 }
 
+/// `keep`: where to leave the activations for the backward, or null.
 template <class T>
 void forward(const ProjectionConfig& cfg, const ProjectionDims& d, TensorView<const T, 3> x,
-             const DynamicWeightProjection<T>& p, const DynamicWeights<T>& out) {
+             const DynamicWeightProjection<T>& p, const DynamicWeights<T>& out,
+             Recomputed<T>* keep = nullptr) {
   ThreadScope threads(cfg.num_threads);
   using A = acc_t<T>;
   RowMat<T> x_store;
   const RowBlocks<const T> xr = input_rows(x, x_store);
   const ParamMatrices<T> pm(p, d);
-  Recomputed<T> r;
-  recompute(cfg, d, xr, pm, r, /*keep_hpre=*/false);
+  Recomputed<T> local;
+  Recomputed<T>& r = keep ? *keep : local;
+  r.filled = false;  // until this forward has refilled them
+  recompute(cfg, d, xr, pm, r, /*keep_hpre=*/keep != nullptr);
 
   const SplitViews<T> o = by_split(out);
   const index_t N = d.rows(), L = d.L, G = d.G, R = d.R, M = d.M, W2 = 2 * R * M;
@@ -210,17 +252,29 @@ void forward(const ProjectionConfig& cfg, const ProjectionDims& d, TensorView<co
   }
 }
 
+/// `kept`: the forward's activations (validated to match d), or null to recompute them.
 template <class T>
 void backward(const ProjectionConfig& cfg, const ProjectionDims& d, TensorView<const T, 3> x,
               const DynamicWeightProjection<T>& p, const DynamicWeights<const T>& dout,
-              TensorView<T, 3> dx, const DynamicWeightProjectionGrads<T>& grads) {
+              TensorView<T, 3> dx, const DynamicWeightProjectionGrads<T>& grads,
+              const Recomputed<T>* kept = nullptr) {
   ThreadScope threads(cfg.num_threads);
   using A = acc_t<T>;
   RowMat<T> x_store;
   const RowBlocks<const T> xr = input_rows(x, x_store);
   const ParamMatrices<T> pm(p, d);
+  // r.w and r.ddpre turn into their gradients in place, and r.hidden into d(hidden): copies of
+  // kept activations, which stay as they are.
   Recomputed<T> r;
-  recompute(cfg, d, xr, pm, r, /*keep_hpre=*/true);
+  if (kept) {
+    r.w = kept->w;
+    r.ddpre = kept->ddpre;
+    r.hidden.resize(kept->hidden.rows(), kept->hidden.cols());
+  } else {
+    recompute(cfg, d, xr, pm, r, /*keep_hpre=*/true);
+  }
+  const RowMat<T>& hpre = kept ? kept->hpre : r.hpre;
+  const RowMat<T>& hidden = kept ? kept->hidden : r.hidden;
 
   // Upstream gradients through the RMS norm and tanh; dw overwrites w and ddpre becomes
   // d(ddpre) in place, row by row.
@@ -276,7 +330,7 @@ void backward(const ProjectionConfig& cfg, const ProjectionDims& d, TensorView<c
       const index_t gc = g * 4 + c;
       OutputMatrix<T, 3> gq(ParamMatrices<T>::qkw_block(grads.qkw, g, c), 1);
       map(gq.mat()).noalias() =
-          r.hidden.middleCols(gc * K, K).transpose() * r.w.middleCols(gc * W2, W2);
+          hidden.middleCols(gc * K, K).transpose() * r.w.middleCols(gc * W2, W2);
       gq.finish();
       r.hidden.middleCols(gc * K, K).noalias() =
           r.w.middleCols(gc * W2, W2) * map(pm.qkw[gc]).transpose();
@@ -284,7 +338,7 @@ void backward(const ProjectionConfig& cfg, const ProjectionDims& d, TensorView<c
 
   {
     const Gelu kind = cfg.gelu;
-    const T* pre = r.hpre.data();
+    const T* pre = hpre.data();
     T* dh = r.hidden.data();
     const index_t total = r.hidden.size();
 #pragma omp parallel for schedule(static)
