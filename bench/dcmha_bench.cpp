@@ -12,6 +12,12 @@
 // outside the timed loop: the dynamic weight projection is a separate, much cheaper GEMM and is
 // deliberately not part of these numbers.
 //
+// The dynamic weight projection has benchmarks of its own, named like the attention core's shape
+// they serve: {fwd,bwd}/dynw/B<b>/H<h>/T<t>/D<d> is dynamic_weights_forward / _backward for the
+// input of a model of width E = H·D (DCFormer: G = 1, R = 2, hidden width K = 4M), so that its
+// cost can be read next to the attention core's at the same shape. The forward keeps its
+// activations (ProjectionActivations) and bwd times the backward from them, as training runs it.
+//
 // Extra flags (before the --benchmark_* ones are parsed):
 //   --dcmha_smoke           tiny shapes only, for a quick CTest run; exit status 1 if any
 //                           benchmark failed (Google Benchmark itself would still return 0)
@@ -389,6 +395,107 @@ void register_case(const Case& c) {
       ->Unit(benchmark::kMillisecond);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The dynamic weight projection: x (B, T, E) -> the twelve dynamic tensors, and its backward
+
+struct ProjectionCase {
+  Dir dir;  // fwd or bwd
+  index_t B, H, T, D;
+};
+
+std::string name_of(const ProjectionCase& c) {
+  return std::string(name_of(c.dir)) + "/dynw/B" + std::to_string(c.B) + "/H" + std::to_string(c.H) +
+         "/T" + std::to_string(c.T) + "/D" + std::to_string(c.D);
+}
+
+// Parameters in the official layout with the official init scales (spec section 2).
+struct ProjectionProblem {
+  ProjectionCase c;
+  index_t E, M, K;
+  std::vector<float> x, dx, dw1, qkw, dd, g_dw1, g_qkw, g_dd;
+  dcmha::DynamicWeightsStorage<float> out, dout;
+  dcmha::DynamicWeightProjection<float> params;
+  dcmha::DynamicWeightProjectionGrads<float> grads;
+  dcmha::ProjectionActivations<float> activations;
+
+  explicit ProjectionProblem(const ProjectionCase& c_)
+      : c(c_), E(c_.H * c_.D), M(c_.H / kGroups), K(4 * c_.H / kGroups),
+        out(c_.B, c_.T, kGroups, kRank, c_.H / kGroups),
+        dout(c_.B, c_.T, kGroups, kRank, c_.H / kGroups) {
+    const index_t G = kGroups, R = kRank, H = c.H;
+    auto sized = [](std::vector<float>& v, index_t n, float stddev, std::uint64_t seed) {
+      v.resize(static_cast<std::size_t>(n));
+      fill_normal(v, stddev, seed);
+    };
+    sized(x, c.B * c.T * E, 1.0f, 11);
+    sized(dw1, E * G * 4 * K, std::sqrt(2.0f / float(E + K)), 12);
+    sized(qkw, G * 4 * K * 2 * R * M, 0.02f / (std::sqrt(2.0f * float(H * R)) * float(H + R)), 13);
+    sized(dd, E * G * 4 * M, 0.05f * std::sqrt(2.0f / float(H + E)), 14);
+    params.dw1 = dcmha::view<4>(dw1.data(), {E, G, 4, K});
+    params.qkw = dcmha::view<5>(qkw.data(), {G, 4, K, 2 * R, M});
+    params.dd = dcmha::view<3>(dd.data(), {E, G, 4 * M});
+    if (c.dir == Dir::bwd) {
+      fill_normal(dout.data, 1.0f, 15);
+      dx.resize(x.size());
+      g_dw1.resize(dw1.size());
+      g_qkw.resize(qkw.size());
+      g_dd.resize(dd.size());
+      grads.dw1 = dcmha::view<4>(g_dw1.data(), {E, G, 4, K});
+      grads.qkw = dcmha::view<5>(g_qkw.data(), {G, 4, K, 2 * R, M});
+      grads.dd = dcmha::view<3>(g_dd.data(), {E, G, 4 * M});
+    }
+  }
+
+  /// The backward's forward (keeping the activations) runs once, before the timed loop.
+  void prepare(const dcmha::ProjectionConfig& cfg) {
+    if (c.dir == Dir::bwd) dcmha::dynamic_weights_forward(cfg, input(), params, out.views(), activations);
+  }
+  void run(const dcmha::ProjectionConfig& cfg) {
+    if (c.dir == Dir::fwd)
+      dcmha::dynamic_weights_forward(cfg, input(), params, out.views(), activations);
+    else
+      dcmha::dynamic_weights_backward(cfg, input(), params, activations, dout.views(),
+                                      dcmha::view<3>(dx.data(), {c.B, c.T, E}), grads);
+  }
+  dcmha::TensorView<const float, 3> input() const { return dcmha::view<3>(x.data(), {c.B, c.T, E}); }
+
+  // The GEMMs' FLOPs: x dw1 and x dd (E -> 4K + 4M per position), then hidden qkw
+  // (4 x K -> 2R·M per group); the backward does each product twice (input and weight gradients).
+  // Counted from the math, so a backward that recomputed the forward's products would not look faster.
+  double flops() const {
+    const double rows = double(c.B) * double(c.T);
+    const double f = 2.0 * rows * double(E) * double(kGroups) * double(4 * K + 4 * M) +
+                     2.0 * rows * double(kGroups) * 4.0 * double(K) * double(2 * kRank * M);
+    return c.dir == Dir::fwd ? f : 2.0 * f;
+  }
+};
+
+void run_projection_case(benchmark::State& state, const ProjectionCase& c) {
+  const dcmha::ProjectionConfig cfg;
+  try {
+    release_decode_problem();
+    cached.reset();
+    ProjectionProblem p(c);
+    p.prepare(cfg);
+    p.run(cfg);  // warm-up: first touch of the outputs and the OpenMP pool
+    for (auto _ : state) {
+      p.run(cfg);
+      benchmark::ClobberMemory();
+    }
+    state.counters["FLOPS"] = benchmark::Counter(p.flops(), benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["threads"] = max_threads();
+  } catch (const std::exception& e) {
+    g_any_failed = true;
+    state.SkipWithError(e.what());
+  }
+}
+
+void register_projection_case(const ProjectionCase& c) {
+  benchmark::RegisterBenchmark(name_of(c).c_str(), [c](benchmark::State& s) { run_projection_case(s, c); })
+      ->UseRealTime()
+      ->Unit(benchmark::kMillisecond);
+}
+
 struct ShapeSet {
   index_t H, D;
   std::vector<index_t> Ts;
@@ -407,6 +514,9 @@ void register_all(bool smoke, bool memory_everywhere) {
         for (Op op : {Op::mha, Op::dcmha})
           for (Dir dir : {Dir::fwd, Dir::bwd, Dir::fwdbwd})
             register_case({dir, op, 1, s.H, T, s.D, mask, memory_everywhere});
+  for (const ShapeSet& s : shapes)
+    for (index_t T : s.Ts)
+      for (Dir dir : {Dir::fwd, Dir::bwd}) register_projection_case({dir, 1, s.H, T, s.D});
 
   // Long context: what matters is that memory stays O(B·H·T), with no T×S buffer anywhere.
   if (!smoke)

@@ -114,6 +114,9 @@ int main() {
   // The kernels' buffers, kept from call to call (a training loop keeps one per calling thread
   // for all its layers and steps); the calls without it allocate their own each time.
   dcmha::Workspace workspace;
+  // The projection's intermediate activations, kept by its forward for its backward (one per
+  // layer in a training step, like any saved activation); without it the backward recomputes them.
+  dcmha::ProjectionActivations<float> proj_act;
 
   try {
     // ---- Multi-head attention ---------------------------------------------------------------
@@ -122,7 +125,7 @@ int main() {
                     dcmha::bthd(dk_mha.data(), B, T, H, D), dcmha::bthd(dv_mha.data(), B, T, H, D));
 
     // ---- DCMHA: the same calls, plus the compose weights ----------------------------------
-    dcmha::dynamic_weights_forward(pcfg, X, proj, dw);
+    dcmha::dynamic_weights_forward(pcfg, X, proj, dw, proj_act);
     const dcmha::ComposeWeights<float> compose = dcmha::compose_weights<float>(dw);
     dcmha::forward(cfg, Q, K, V, O_dc, LSE_dc, compose, workspace);  // <- the one-line switch
     // Backward also writes d(dynamic weights), ready for the projection's backward pass.
@@ -130,8 +133,8 @@ int main() {
                     dcmha::bthd(dk_dc.data(), B, T, H, D), dcmha::bthd(dv_dc.data(), B, T, H, D),
                     compose, dcmha::compose_grads(ddw), workspace);
     // ...which carries the gradient on to x and the projection parameters.
-    dcmha::dynamic_weights_backward(pcfg, X, proj, ddw, dcmha::view<3>(dx.data(), {B, T, E}),
-                                    dproj);
+    dcmha::dynamic_weights_backward(pcfg, X, proj, proj_act, ddw,
+                                    dcmha::view<3>(dx.data(), {B, T, E}), dproj);
   } catch (const dcmha::Error& e) {  // invalid argument: shapes, strides, switches
     std::fprintf(stderr, "dcmha rejected an argument: %s\n", e.what());
     return 1;

@@ -20,6 +20,10 @@ NAME = re.compile(
 # with dir "decode", T = s and mask "cache", so ratios, sorting and plotting need no special case.
 DECODE_NAME = re.compile(
     r"^(?P<dir>decode)/(?P<op>mha|dcmha)/B(?P<B>\d+)/H(?P<H>\d+)/S(?P<T>\d+)/D(?P<D>\d+)")
+# {fwd,bwd}/dynw/B<b>/H<h>/T<t>/D<d>: the dynamic weight projection for a model of width H·D,
+# keyed with op "dynw" and mask "proj"; reported in a section of its own, next to DCMHA's core.
+DYNW_NAME = re.compile(
+    r"^(?P<dir>fwd|bwd)/(?P<op>dynw)/B(?P<B>\d+)/H(?P<H>\d+)/T(?P<T>\d+)/D(?P<D>\d+)")
 TO_MS = {"ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
 DIR_ORDER = {"fwd": 0, "bwd": 1, "fwdbwd": 2, "decode": 3}
 
@@ -34,10 +38,10 @@ def load(paths):
         context = context or doc.get("context", {})
         for b in doc.get("benchmarks", []):
             name = b.get("run_name", b["name"])
-            m = NAME.match(name) or DECODE_NAME.match(name)
+            m = NAME.match(name) or DECODE_NAME.match(name) or DYNW_NAME.match(name)
             if not m:
                 continue
-            mask = m["mask"] if m["dir"] != "decode" else "cache"
+            mask = "cache" if m["dir"] == "decode" else "proj" if m["op"] == "dynw" else m["mask"]
             key = (m["dir"], m["op"], int(m["B"]), int(m["H"]), int(m["T"]), int(m["D"]), mask)
             if b.get("error_occurred"):
                 errors[key] = b.get("error_message", "error")
@@ -83,6 +87,8 @@ def table(rows, errors):
     lines = []
     for key in sorted(set(rows) | set(errors), key=sort_key):
         d, op = key[0], key[1]
+        if op == "dynw":
+            continue
         if key in errors and key not in rows:
             lines.append([shape_of(key), op, d, "ERROR", "-", "-", "-"])
             continue
@@ -108,6 +114,17 @@ def table(rows, errors):
                    if k[1] == "dcmha" and mha and "cache_bytes_per_token" in mha else "")
             out.append(f"  {shape_of(k)} {k[1]:5}  {b['cache_bytes_per_token']:10.0f} bytes{rel}")
 
+    proj = [(k, rows[k]) for k in sorted(rows, key=sort_key) if k[1] == "dynw"]
+    if proj:
+        out += ["", "dynamic weight projection for a model of width E = H·D (G = 1, R = 2, K = 4M);"
+                    " bwd from the forward's kept activations; share = its time / DCMHA's causal"
+                    " attention core, same direction and shape:"]
+        for k, b in proj:
+            core = rows.get((k[0], "dcmha") + k[2:6] + ("causal",))
+            share = f"  share {ms(b) / ms(core):.3f}" if core else ""
+            gflops = f"  {b['FLOPS'] * 1e-9:6.1f} GFLOP/s" if "FLOPS" in b else ""
+            out.append(f"  B{k[2]}/H{k[3]}/T{k[4]}/D{k[5]} E{k[3] * k[5]} {k[0]:3}  {ms(b):9.3f} ms{gflops}{share}")
+
     mem = [(k, rows[k]) for k in sorted(rows, key=sort_key) if "peak_rss_MiB" in rows[k]]
     if mem:
         out += ["", "memory (peak RSS is the whole process's high-water mark):"]
@@ -125,6 +142,8 @@ def write_plot(rows, out_dir):
     series_time, series_ratio = {}, {}
     for key in rows:
         d, op, B, H, T, D, mask = key
+        if op == "dynw":
+            continue
         fam = f"H{H}/D{D} {mask}" + (f" B{B}" if B != 1 else "")
         series_time.setdefault(f"{fam} {d} {op}", []).append((T, ms(rows[key])))
         r = ratio(rows, key)
