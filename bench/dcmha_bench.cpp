@@ -383,17 +383,16 @@ void run_decode_case(benchmark::State& state, const DecodeCase& c) {
   }
 }
 
-void register_decode_case(const DecodeCase& c) {
-  benchmark::RegisterBenchmark(name_of(c).c_str(), [c](benchmark::State& s) { run_decode_case(s, c); })
+/// Registers case c under name_of(c), timed by run(state, c) in wall-clock milliseconds.
+template <class C>
+void register_named(const C& c, void (*run)(benchmark::State&, const C&)) {
+  benchmark::RegisterBenchmark(name_of(c).c_str(), [c, run](benchmark::State& s) { run(s, c); })
       ->UseRealTime()
       ->Unit(benchmark::kMillisecond);
 }
 
-void register_case(const Case& c) {
-  benchmark::RegisterBenchmark(name_of(c).c_str(), [c](benchmark::State& s) { run_case(s, c); })
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
-}
+void register_decode_case(const DecodeCase& c) { register_named(c, run_decode_case); }
+void register_case(const Case& c) { register_named(c, run_case); }
 
 // ---------------------------------------------------------------------------------------------
 // The dynamic weight projection: x (B, T, E) -> the twelve dynamic tensors, and its backward
@@ -490,11 +489,7 @@ void run_projection_case(benchmark::State& state, const ProjectionCase& c) {
   }
 }
 
-void register_projection_case(const ProjectionCase& c) {
-  benchmark::RegisterBenchmark(name_of(c).c_str(), [c](benchmark::State& s) { run_projection_case(s, c); })
-      ->UseRealTime()
-      ->Unit(benchmark::kMillisecond);
-}
+void register_projection_case(const ProjectionCase& c) { register_named(c, run_projection_case); }
 
 struct ShapeSet {
   index_t H, D;

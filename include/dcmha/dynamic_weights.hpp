@@ -129,7 +129,7 @@ struct ActivationsAccess;
 
 /// What dynamic_weights_forward can keep for dynamic_weights_backward: the projection's
 /// intermediate activations (the hidden layer before and after GELU, the raw w before the RMS norm,
-/// dd before tanh), (2·4K + 4·2R·M + 4M)·G values per position, about a fifth of x's size at
+/// dd before tanh), (2·4K + 4·2R·M + 4M)·G values per position, about two fifths of x's size at
 /// DCFormer-6.9B's shapes. With them the backward skips recomputing the forward's two large
 /// products (x dw1 and x dd), a third of its work. Pass the same x and parameters to both calls;
 /// the backward only reads the activations, and the next forward overwrites them.
