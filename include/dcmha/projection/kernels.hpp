@@ -134,7 +134,7 @@ struct Recomputed {
   RowMat<T> w;       // (B*L) x (G*4*2R*M), hidden * qkw per (group, split), before the norm
   RowMat<T> ddpre;   // (B*L) x (G*4*M), x * dd
   ProjectionDims dims;  // of the call that computed them
-  bool filled = false;
+  bool filled = false;  // a forward that keeps them finished; what a backward may read
 
   std::size_t bytes() const {
     return std::size_t(hpre.size() + hidden.size() + w.size() + ddpre.size()) * sizeof(T);
@@ -194,7 +194,6 @@ void recompute(const ProjectionConfig& cfg, const ProjectionDims& d,
   r.ddpre.resize(N, d.G * 4 * d.M);
   rows_times(x, p.dd, r.ddpre);
   r.dims = d;
-  r.filled = keep_hpre;
 }
 
 template <class U, int N>
@@ -214,8 +213,9 @@ void forward(const ProjectionConfig& cfg, const ProjectionDims& d, TensorView<co
   const ParamMatrices<T> pm(p, d);
   Recomputed<T> local;
   Recomputed<T>& r = keep ? *keep : local;
-  r.filled = false;  // until this forward has refilled them
+  r.filled = false;  // until this forward has refilled them (an exception leaves them refused)
   recompute(cfg, d, xr, pm, r, /*keep_hpre=*/keep != nullptr);
+  r.filled = keep != nullptr;
 
   const SplitViews<T> o = by_split(out);
   const index_t N = d.rows(), L = d.L, G = d.G, R = d.R, M = d.M, W2 = 2 * R * M;
