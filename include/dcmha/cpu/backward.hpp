@@ -244,9 +244,11 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       if (pre.on)
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
-          for (index_t i = lo; i < hi; ++i)
+          for (index_t i = lo; i < hi; ++i) {
+            if (i + 1 < hi) prefetch_rows(Ls + (i + 1) * rs + (s - cs), M, tw, nc * index_t(sizeof(A)));
             pre_fn(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, Ps + i * rs + (s - cs), tw,
                    nullptr, scratch.data());
+          }
         }
       for (index_t i = 0; i < nr; ++i) {
         const KeyRange r = mask.row(b, t0 + i);
@@ -278,6 +280,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
             A* gp = dPs + i * rs + (s - cs);
+            if (i + 1 < hi) prefetch_rows(gp + rs, M, tw, nc * index_t(sizeof(A)));
             post_bwd(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, gp, tw, gp, tw, my_post_rg[i],
                      ws.post_kg, dw_post, scratch.data());
           }
