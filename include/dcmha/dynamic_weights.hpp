@@ -151,7 +151,7 @@ class ProjectionActivations {
 
  private:
   friend struct detail::projection::ActivationsAccess;
-  std::unique_ptr<detail::projection::Recomputed<T>> r_;
+  std::unique_ptr<detail::projection::Recomputed<T>> r_;  // null: empty
 };
 
 }  // namespace dcmha

@@ -92,8 +92,7 @@ DynamicWeights<const T> read_only(const DynamicWeights<T>& w) {
   }
 
 template <class T>
-ProjectionActivations<T>::ProjectionActivations()
-    : r_(std::make_unique<detail::projection::Recomputed<T>>()) {}
+ProjectionActivations<T>::ProjectionActivations() = default;
 template <class T>
 ProjectionActivations<T>::~ProjectionActivations() = default;
 template <class T>
@@ -106,7 +105,7 @@ std::size_t ProjectionActivations<T>::bytes() const {
 }
 template <class T>
 void ProjectionActivations<T>::release() {
-  r_ = std::make_unique<detail::projection::Recomputed<T>>();
+  r_.reset();
 }
 
 DCMHA_DEFINE_PROJECTION_ENTRY_POINTS(float)

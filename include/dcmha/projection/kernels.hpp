@@ -143,13 +143,13 @@ struct Recomputed {
 
 /// The kernels' way into a ProjectionActivations.
 struct ActivationsAccess {
-  /// A moved-from ProjectionActivations gets fresh storage.
+  /// Storage is made on the first forward that keeps activations (and after release or a move).
   template <class T>
   static Recomputed<T>& get(ProjectionActivations<T>& a) {
     if (!a.r_) a.r_ = std::make_unique<Recomputed<T>>();
     return *a.r_;
   }
-  /// Null for activations that were moved from.
+  /// Null for activations no forward has kept since they were made, released or moved from.
   template <class T>
   static const Recomputed<T>* find(const ProjectionActivations<T>& a) {
     return a.r_.get();
