@@ -133,12 +133,12 @@ struct WorkspaceAccess {
     const std::size_t n = std::size_t(1 + threads) * Workspace::kSlotsPerOwner;
     if (w.blocks_.size() < n) w.blocks_.resize(n);
   }
-  /// Shared block k (< 4) of at least `count` values of S.
+  /// Shared block k (< Workspace::kSlotsPerOwner) of at least `count` values of S.
   template <class S>
   static S* shared(Workspace& w, int k, index_t count) {
     return w.blocks_[std::size_t(k)].template get<S>(count);
   }
-  /// Block k (< 4) of thread `thread` (< the threads reserved), at least `count` values of S.
+  /// Block k (< Workspace::kSlotsPerOwner) of thread `thread` (< the threads reserved), at least `count` values of S.
   template <class S>
   static S* per_thread(Workspace& w, int thread, int k, index_t count) {
     return w.blocks_[std::size_t(1 + thread) * Workspace::kSlotsPerOwner + std::size_t(k)].template get<S>(count);
