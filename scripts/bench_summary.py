@@ -114,12 +114,16 @@ def table(rows, errors):
                    if k[1] == "dcmha" and mha and "cache_bytes_per_token" in mha else "")
             out.append(f"  {shape_of(k)} {k[1]:5}  {b['cache_bytes_per_token']:10.0f} bytes{rel}")
 
-    proj = [(k, rows[k]) for k in sorted(rows, key=sort_key) if k[1] == "dynw"]
+    proj = [k for k in sorted(set(rows) | set(errors), key=sort_key) if k[1] == "dynw"]
     if proj:
         out += ["", "dynamic weight projection for a model of width E = H·D (G = 1, R = 2, K = 4M);"
                     " bwd from the forward's kept activations; share = its time / DCMHA's causal"
                     " attention core, same direction and shape:"]
-        for k, b in proj:
+        for k in proj:
+            if k not in rows:
+                out.append(f"  B{k[2]}/H{k[3]}/T{k[4]}/D{k[5]} E{k[3] * k[5]} {k[0]:3}  ERROR (see below)")
+                continue
+            b = rows[k]
             core = rows.get((k[0], "dcmha") + k[2:6] + ("causal",))
             share = f"  share {ms(b) / ms(core):.3f}" if core else ""
             gflops = f"  {b['FLOPS'] * 1e-9:6.1f} GFLOP/s" if "FLOPS" in b else ""
