@@ -219,6 +219,9 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       if (post.has_q) my_post_rg[i].zero();
     }
     for (index_t j = 0; j < M * Bq; ++j) my_d[j] = A(0);
+    // A head's packed Q and dO rows, for the product before theirs to ask for (null past the last head).
+    auto q_rows = [&](index_t m) { return next_rows(m < M ? qall + (m * Bq + lo) * D : nullptr, nl, D, D); };
+    auto dout_rows = [&](index_t m) { return next_rows(m < M ? oall + (m * Bq + lo) * Dv : nullptr, nl, Dv, Dv); };
     if (c1 > c0)
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
@@ -236,9 +239,9 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         const index_t hk = (g * M + m) / group_of_kv;
         // Scores from the packed, scaled Q rows (contiguous) rather than the caller's (a page apart).
         gemm_abt<A>(nl, n, D, qall + (m * Bq + lo) * D, D, row_ptr(k, b, hk, cs), k.stride[2],
-                    Ls + lo * rs + m * tw, rs, A(1), kbuf, next_head(k, m, cs));
+                    Ls + lo * rs + m * tw, rs, A(1), kbuf, next_head(k, m, cs), dout_rows(m));
         gemm_abt<A>(nl, n, Dv, oall + (m * Bq + lo) * Dv, Dv, row_ptr(v, b, hk, cs), v.stride[2],
-                    dPs + lo * rs + m * tw, rs, A(1), kbuf, next_head(v, m, cs));
+                    dPs + lo * rs + m * tw, rs, A(1), kbuf, next_head(v, m, cs), q_rows(m + 1));
       }
       // Chunks outer: a chunk's key-wise terms stay in L1 while every row uses them.
       if (pre.on)
@@ -274,7 +277,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         }
       for (index_t m = 0; m < M; ++m)
         gemm_nn<A>(n, Dv, nl, Pt + lo * rs + m * tw, 1, rs, oall + (m * Bq + lo) * Dv, Dv,
-                   row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true);
+                   row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true, dout_rows(m + 1));
       if (post.on) {
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
@@ -335,7 +338,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         }
       for (index_t m = 0; m < M; ++m)
         gemm_nn<A>(n, D, nl, dPs + lo * rs + m * tw, 1, rs, qall + (m * Bq + lo) * D, D,
-                   row_ptr(dk, b, (g * M + m) / group_of_kv, cs), dk.stride[2], true);
+                   row_ptr(dk, b, (g * M + m) / group_of_kv, cs), dk.stride[2], true, q_rows(m + 1));
     }
     // dQ = dL K head by head, after the tiles: per tile, every head's dQ rows (M x Bq x D values,
     // more than L2) would be read and written again; this way one head's stay in L1 and the

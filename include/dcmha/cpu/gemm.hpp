@@ -70,8 +70,8 @@ inline void with_row_count(index_t rows, F&& f) {
 /// C = A B on rows [0, rows) over columns [j, j + CB * L): row blocks of kNnRows, then the rest.
 template <class A, int CB>
 inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index_t acs, const A* b,
-                     index_t ldb, A* c, index_t ldc) {
-  for (index_t i = 0; i < rows; i += kNnRows)
+                     index_t ldb, A* c, index_t ldc, SpreadPrefetch& next) {
+  for (index_t i = 0; i < rows; i += kNnRows, next.step())
     with_row_count(std::min<index_t>(kNnRows, rows - i), [&](auto rb) {
       nn_block<A, decltype(rb)::value, CB>(depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc, false);
     });
@@ -196,10 +196,10 @@ constexpr index_t kPackMinRows = 8;
 
 /// C[i][:] (+)= sum_k A(i, k) B[k][:] for i < rows, over `depth` rows of B (row stride ldb, ncol
 /// contiguous columns); A(i, k) = a[i * ars + k * acs], so A may be read transposed. C is
-/// overwritten unless `accumulate`.
+/// overwritten unless `accumulate`. `next`: asked for while the product runs (NextRows).
 template <class A>
 void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
-             const A* b, index_t ldb, A* c, index_t ldc, bool accumulate) {
+             const A* b, index_t ldb, A* c, index_t ldc, bool accumulate, const NextRows& next = {}) {
   if (rows <= 0 || ncol <= 0) return;
   if (depth <= 0) {
     if (!accumulate)
@@ -219,7 +219,8 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
     constexpr int RB = kNnRows;
     const index_t bytes = ncol * index_t(sizeof(A));
     prefetch_rows(c, std::min<index_t>(rows, RB), ldc, bytes);
-    for (index_t i = 0; i < rows; i += RB) {
+    SpreadPrefetch ahead(next, (rows + RB - 1) / RB);
+    for (index_t i = 0; i < rows; i += RB, ahead.step()) {
       if (i + RB < rows) prefetch_rows(c + (i + RB) * ldc, std::min<index_t>(RB, rows - i - RB), ldc, bytes);
       with_row_count(std::min<index_t>(RB, rows - i), [&](auto rb) {
         j = nn_row_block<A, decltype(rb)::value>(ncol, depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc);
@@ -228,9 +229,11 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
   } else {
     // Column strips outer: a strip of B (depth x CB vectors, 8 KiB at depth 128) stays in L1
     // while every row block of A passes over it.
+    const index_t strips = ncol / (kNnCols * L) + ncol % (kNnCols * L) / L;
+    SpreadPrefetch ahead(next, strips * ((rows + kNnRows - 1) / kNnRows));
     for (; j + kNnCols * L <= ncol; j += kNnCols * L)
-      nn_strip<A, kNnCols>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc);
-    for (; j + L <= ncol; j += L) nn_strip<A, 1>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc);
+      nn_strip<A, kNnCols>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, ahead);
+    for (; j + L <= ncol; j += L) nn_strip<A, 1>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, ahead);
   }
 #endif
   // Columns left over (all of them without vector extensions).
@@ -244,25 +247,27 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
 
 /// C = alpha A B^T, rows x n over `depth` (scores Q K^T, dP' = dO V^T). B's n rows are transposed
 /// into `buf` (depth x n values) that all rows share, unless there are too few rows to share it.
-/// `next`: see pack_transposed.
+/// `next`: see pack_transposed; `next_operand`: see gemm_nn.
 template <class A>
 void gemm_abt(index_t rows, index_t n, index_t depth, const A* a, index_t lda, const A* b,
-              index_t ldb, A* c, index_t ldc, A alpha, A* buf, const A* next = nullptr) {
+              index_t ldb, A* c, index_t ldc, A alpha, A* buf, const A* next = nullptr,
+              const NextRows& next_operand = {}) {
   if (rows < kPackMinRows) return gemm_nt_few_rows<A>(rows, n, depth, a, lda, b, ldb, c, ldc, alpha);
   pack_transposed<A>(n, depth, b, ldb, alpha, buf, n, next);
-  gemm_nn<A>(rows, n, depth, a, lda, 1, buf, n, c, ldc, false);
+  gemm_nn<A>(rows, n, depth, a, lda, 1, buf, n, c, ldc, false, next_operand);
 }
 
 /// C (+)= A (alpha B), B's `depth` rows of ncol values copied contiguous into `buf` (depth x ncol)
-/// first unless too few rows would read them (then read in place when alpha is 1).
+/// first unless too few rows would read them (then read in place when alpha is 1). `next`: see
+/// pack_rows; `next_operand`: see gemm_nn.
 template <class A>
 void gemm_ab(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
              const A* b, index_t ldb, A* c, index_t ldc, bool accumulate, A* buf,
-             A alpha = A(1), const A* next = nullptr) {
+             A alpha = A(1), const A* next = nullptr, const NextRows& next_operand = {}) {
   if (rows < kPackMinRows && alpha == A(1))
-    return gemm_nn<A>(rows, ncol, depth, a, ars, acs, b, ldb, c, ldc, accumulate);
+    return gemm_nn<A>(rows, ncol, depth, a, ars, acs, b, ldb, c, ldc, accumulate, next_operand);
   pack_rows<A>(depth, ncol, b, ldb, buf, ncol, alpha, next);
-  gemm_nn<A>(rows, ncol, depth, a, ars, acs, buf, ncol, c, ldc, accumulate);
+  gemm_nn<A>(rows, ncol, depth, a, ars, acs, buf, ncol, c, ldc, accumulate, next_operand);
 }
 
 }  // namespace dcmha::cpu
