@@ -239,9 +239,11 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         const index_t hk = (g * M + m) / group_of_kv;
         // Scores from the packed, scaled Q rows (contiguous) rather than the caller's (a page apart).
         gemm_abt<A>(nl, n, D, qall + (m * Bq + lo) * D, D, row_ptr(k, b, hk, cs), k.stride[2],
-                    Ls + lo * rs + m * tw, rs, A(1), kbuf, next_head(k, m, cs), dout_rows(m));
+                    Ls + lo * rs + m * tw, rs, A(1), kbuf,
+                    {next_rows(next_head(k, m, cs), n, k.stride[2], D), dout_rows(m)});
         gemm_abt<A>(nl, n, Dv, oall + (m * Bq + lo) * Dv, Dv, row_ptr(v, b, hk, cs), v.stride[2],
-                    dPs + lo * rs + m * tw, rs, A(1), kbuf, next_head(v, m, cs), q_rows(m + 1));
+                    dPs + lo * rs + m * tw, rs, A(1), kbuf,
+                    {next_rows(next_head(v, m, cs), n, v.stride[2], Dv), q_rows(m + 1)});
       }
       // Chunks outer: a chunk's key-wise terms stay in L1 while every row uses them.
       if (pre.on)
@@ -277,7 +279,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         }
       for (index_t m = 0; m < M; ++m)
         gemm_nn<A>(n, Dv, nl, Pt + lo * rs + m * tw, 1, rs, oall + (m * Bq + lo) * Dv, Dv,
-                   row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true, dout_rows(m + 1));
+                   row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true, {{}, dout_rows(m + 1)});
       if (post.on) {
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
@@ -338,20 +340,28 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         }
       for (index_t m = 0; m < M; ++m)
         gemm_nn<A>(n, D, nl, dPs + lo * rs + m * tw, 1, rs, qall + (m * Bq + lo) * D, D,
-                   row_ptr(dk, b, (g * M + m) / group_of_kv, cs), dk.stride[2], true, q_rows(m + 1));
+                   row_ptr(dk, b, (g * M + m) / group_of_kv, cs), dk.stride[2], true, {{}, q_rows(m + 1)});
     }
     // dQ = dL K head by head, after the tiles: per tile, every head's dQ rows (M x Bq x D values,
     // more than L2) would be read and written again; this way one head's stay in L1 and the
-    // tiles' dL, read once more, are asked for ahead.
+    // tiles' dL and K rows, read once more, are asked for ahead (the next tile's, or the next
+    // head's first).
     for (index_t m = 0; m < M; ++m) {
       const index_t hk = (g * M + m) / group_of_kv;
       for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
         const index_t n = std::min(c1, cs + tw) - cs;
         const A* dL = ws.slab_of(ws.dPp, tid, tile) + lo * rs + m * tw;
-        if (cs + tw < c1) prefetch_rows(dL + ws.slab, nl, rs, std::min(tw, c1 - cs - tw) * index_t(sizeof(A)));
-        else if (m + 1 < M) prefetch_rows(ws.slab_of(ws.dPp, tid, 0) + lo * rs + (m + 1) * tw, nl, rs, std::min(tw, c1 - c0) * index_t(sizeof(A)));
+        NextReads next;
+        if (cs + tw < c1) {
+          const index_t nn = std::min(tw, c1 - cs - tw);
+          next = {next_rows(row_ptr(k, b, hk, cs + tw), nn, k.stride[2], D), next_rows(dL + ws.slab, nl, rs, nn)};
+        } else if (m + 1 < M) {
+          const index_t nn = std::min(tw, c1 - c0);
+          next = {next_rows(row_ptr(k, b, (g * M + m + 1) / group_of_kv, c0), nn, k.stride[2], D),
+                  next_rows(ws.slab_of(ws.dPp, tid, 0) + lo * rs + (m + 1) * tw, nl, rs, nn)};
+        }
         gemm_ab<A>(nl, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows(m) + lo * ldq, ldq, cs > c0,
-                   kbuf, scale, cs + tw < c1 ? row_ptr(k, b, hk, cs + tw) : nullptr);
+                   kbuf, scale, next);
       }
     }
     team.sync();

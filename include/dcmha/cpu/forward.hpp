@@ -241,7 +241,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
           gemm_abt<A>(nl, n, d.D, row_ptr(q, b, h, t0 + lo), q.stride[2], row_ptr(k, b, h / group_of_kv, p),
-                      k.stride[2], slab + lo * rs + m * tw + (s - cs), rs, scale, kt, next_head(k, m, p));
+                      k.stride[2], slab + lo * rs + m * tw + (s - cs), rs, scale, kt,
+                      {next_rows(next_head(k, m, p), n, k.stride[2], d.D), {}});
         });
       }
       // Chunks outer: a chunk's key-wise terms stay in L1 while every row of the block uses them.
@@ -334,7 +335,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
           gemm_ab<A>(nl, Dv, n, slab + lo * rs + m * tw + (s - cs), rs, 1, row_ptr(v, b, h / group_of_kv, p),
-                     v.stride[2], out_rows(m) + lo * ldo, ldo, true, kt, A(1), next_head(v, m, p));
+                     v.stride[2], out_rows(m) + lo * ldo, ldo, true, kt, A(1),
+                     {next_rows(next_head(v, m, p), n, v.stride[2], Dv), {}});
         });
       }
     }

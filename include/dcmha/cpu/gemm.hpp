@@ -97,20 +97,12 @@ inline index_t nn_row_block(index_t ncol, index_t depth, const A* a, index_t ars
 /// feeds (one transpose per element against `rows` multiply-adds); dot products along the depth
 /// instead need a horizontal reduction per output and two loads per multiply-add (measured 33
 /// against 54 GFLOP/s for gemm_nn on one core).
-///
-/// `next` (optional, same ldb): the rows the following call will pack. They are asked for here,
-/// a few rows per packed row, so they arrive during the product this tile feeds: every query
-/// block of a DCMHA group reads all M heads' K and V, more than the caches hold, and the rows
-/// are pages apart, where hardware prefetchers stop (packing was latency-bound, perf).
 template <class A>
-void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha, A* bt, index_t ldt,
-                     const A* next = nullptr) {
-  const index_t row_bytes = depth * index_t(sizeof(A));
+void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha, A* bt, index_t ldt) {
   index_t j = 0;
 #if defined(__AVX__)
   if constexpr (std::is_same_v<A, float>) {
     for (; j + 8 <= n; j += 8) {
-      if (next) prefetch_rows(next + j * ldb, 8, ldb, row_bytes);
       index_t d = 0;
       for (; d + 8 <= depth; d += 8) {
         const __m256 s = _mm256_set1_ps(alpha);
@@ -136,7 +128,6 @@ void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha,
     }
   }
 #endif
-  if (next) prefetch_rows(next + j * ldb, n - j, ldb, row_bytes);
   for (; j < n; ++j)
     for (index_t d = 0; d < depth; ++d) bt[d * ldt + j] = alpha * b[j * ldb + d];
 }
@@ -145,12 +136,9 @@ void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha,
 /// contiguous. Caller rows are often far apart (the (B, T, H, D) layout puts 16 KiB between the
 /// rows of one head at H32/D128), one page each: read in place by every row block of a product,
 /// they missed the TLB on most loads (measured: 30% of the forward's time on one load).
-/// `next`: as for pack_transposed.
 template <class A>
-void pack_rows(index_t n, index_t cols, const A* src, index_t lds, A* dst, index_t ldd,
-               A alpha = A(1), const A* next = nullptr) {
+void pack_rows(index_t n, index_t cols, const A* src, index_t lds, A* dst, index_t ldd, A alpha = A(1)) {
   for (index_t j = 0; j < n; ++j) {
-    if (next) prefetch_bytes(next + j * lds, cols * index_t(sizeof(A)));
     if (alpha == A(1)) {
       std::copy(src + j * lds, src + j * lds + cols, dst + j * ldd);
     } else {
@@ -199,7 +187,7 @@ constexpr index_t kPackMinRows = 8;
 /// overwritten unless `accumulate`. `next`: asked for while the product runs (NextRows).
 template <class A>
 void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
-             const A* b, index_t ldb, A* c, index_t ldc, bool accumulate, const NextRows& next = {}) {
+             const A* b, index_t ldb, A* c, index_t ldc, bool accumulate, const NextReads& next = {}) {
   if (rows <= 0 || ncol <= 0) return;
   if (depth <= 0) {
     if (!accumulate)
@@ -247,27 +235,26 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
 
 /// C = alpha A B^T, rows x n over `depth` (scores Q K^T, dP' = dO V^T). B's n rows are transposed
 /// into `buf` (depth x n values) that all rows share, unless there are too few rows to share it.
-/// `next`: see pack_transposed; `next_operand`: see gemm_nn.
+/// `next`: see gemm_nn.
 template <class A>
 void gemm_abt(index_t rows, index_t n, index_t depth, const A* a, index_t lda, const A* b,
-              index_t ldb, A* c, index_t ldc, A alpha, A* buf, const A* next = nullptr,
-              const NextRows& next_operand = {}) {
+              index_t ldb, A* c, index_t ldc, A alpha, A* buf, const NextReads& next = {}) {
   if (rows < kPackMinRows) return gemm_nt_few_rows<A>(rows, n, depth, a, lda, b, ldb, c, ldc, alpha);
-  pack_transposed<A>(n, depth, b, ldb, alpha, buf, n, next);
-  gemm_nn<A>(rows, n, depth, a, lda, 1, buf, n, c, ldc, false, next_operand);
+  pack_transposed<A>(n, depth, b, ldb, alpha, buf, n);
+  gemm_nn<A>(rows, n, depth, a, lda, 1, buf, n, c, ldc, false, next);
 }
 
 /// C (+)= A (alpha B), B's `depth` rows of ncol values copied contiguous into `buf` (depth x ncol)
 /// first unless too few rows would read them (then read in place when alpha is 1). `next`: see
-/// pack_rows; `next_operand`: see gemm_nn.
+/// gemm_nn.
 template <class A>
 void gemm_ab(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
              const A* b, index_t ldb, A* c, index_t ldc, bool accumulate, A* buf,
-             A alpha = A(1), const A* next = nullptr, const NextRows& next_operand = {}) {
+             A alpha = A(1), const NextReads& next = {}) {
   if (rows < kPackMinRows && alpha == A(1))
-    return gemm_nn<A>(rows, ncol, depth, a, ars, acs, b, ldb, c, ldc, accumulate, next_operand);
-  pack_rows<A>(depth, ncol, b, ldb, buf, ncol, alpha, next);
-  gemm_nn<A>(rows, ncol, depth, a, ars, acs, buf, ncol, c, ldc, accumulate, next_operand);
+    return gemm_nn<A>(rows, ncol, depth, a, ars, acs, b, ldb, c, ldc, accumulate, next);
+  pack_rows<A>(depth, ncol, b, ldb, buf, ncol, alpha);
+  gemm_nn<A>(rows, ncol, depth, a, ars, acs, buf, ncol, c, ldc, accumulate, next);
 }
 
 }  // namespace dcmha::cpu

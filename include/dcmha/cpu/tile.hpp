@@ -72,36 +72,49 @@ inline void prefetch_rows(const S* p, index_t rows, index_t stride, index_t byte
   for (index_t r = 0; r < rows; ++r) prefetch_bytes(p + r * stride, bytes);
 }
 
-/// Rows the kernel reads after the current product (the next head's operand), for the product
-/// to ask for in equal shares while it runs: `rows` rows of `bytes` bytes, `stride` bytes apart.
-/// A DCMHA tile cycles through all M heads' Q, dO and output rows (megabytes at M = 32, D = 128),
-/// so each head's operand comes from L3, and the first row block of every product waited on it:
-/// perf put 15% of the accumulating products' samples on one operand load.
+/// Rows a kernel reads after the current product, for the product to ask for in equal shares
+/// while it runs: `rows` rows of `bytes` bytes, `stride` bytes apart. A DCMHA tile cycles through
+/// all M heads' K, V, Q and dO rows (megabytes at M = 32, D = 128), from L3 or memory and pages
+/// apart, where hardware prefetchers stop. Asked for in one burst (while packing the tile before),
+/// they filled the miss queue and the packing waited on its own loads (perf: 17% of the forward
+/// in packing); not asked for, every product's first row block waited on its operand (15% of the
+/// backward's accumulating products on one load).
 struct NextRows {
   const void* p = nullptr;
   index_t rows = 0, stride = 0, bytes = 0;
 };
 
-/// Issues NextRows' prefetches over `steps` calls of step().
-class SpreadPrefetch {
- public:
-  SpreadPrefetch(const NextRows& r, index_t steps)
-      : r_(r), per_step_(r.p ? (r.rows + steps - 1) / std::max<index_t>(steps, 1) : 0) {}
-  void step() {
-    const index_t end = std::min(r_.rows, done_ + per_step_);
-    for (; done_ < end; ++done_) prefetch_bytes(static_cast<const char*>(r_.p) + done_ * r_.stride, r_.bytes);
-  }
-
- private:
-  NextRows r_;
-  index_t per_step_, done_ = 0;
-};
-
-/// NextRows over `rows` rows of `cols` values of x, `ld` values apart (null p: none).
+/// NextRows over `rows` rows of `cols` values at p, `ld` values apart (null p: nothing).
 template <class S>
 inline NextRows next_rows(const S* p, index_t rows, index_t ld, index_t cols) {
   return {p, rows, ld * index_t(sizeof(S)), cols * index_t(sizeof(S))};
 }
+
+/// What one product asks for: the next key tile (K or V of the next head) and the next
+/// product's operand, either may be empty.
+struct NextReads {
+  NextRows tile, operand;
+};
+
+/// Spreads NextReads' prefetches over `steps` calls of step() (one per row block of a product).
+class SpreadPrefetch {
+ public:
+  SpreadPrefetch(const NextReads& r, index_t steps) : r_{r.tile, r.operand} {
+    for (int k = 0; k < 2; ++k)
+      per_step_[k] = r_[k].p ? (r_[k].rows + steps - 1) / std::max<index_t>(steps, 1) : 0;
+  }
+  void step() {
+    for (int k = 0; k < 2; ++k) {
+      const index_t end = std::min(r_[k].rows, done_[k] + per_step_[k]);
+      for (; done_[k] < end; ++done_[k])
+        prefetch_bytes(static_cast<const char*>(r_[k].p) + done_[k] * r_[k].stride, r_[k].bytes);
+    }
+  }
+
+ private:
+  NextRows r_[2];
+  index_t per_step_[2] = {0, 0}, done_[2] = {0, 0};
+};
 
 /// Kernel workspace. Eigen's vectorized reductions (sum, maxCoeff) start their packets at the
 /// first aligned element, so their summation order depends on the address: buffers with a fixed
