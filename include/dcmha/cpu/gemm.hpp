@@ -184,7 +184,8 @@ constexpr index_t kPackMinRows = 8;
 
 /// C[i][:] (+)= sum_k A(i, k) B[k][:] for i < rows, over `depth` rows of B (row stride ldb, ncol
 /// contiguous columns); A(i, k) = a[i * ars + k * acs], so A may be read transposed. C is
-/// overwritten unless `accumulate`. `next`: asked for while the product runs (NextRows).
+/// overwritten unless `accumulate`. `next`: what the caller reads after this product, asked for
+/// in shares, one per row block, while it runs (NextRows).
 template <class A>
 void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
              const A* b, index_t ldb, A* c, index_t ldc, bool accumulate, const NextReads& next = {}) {
@@ -223,6 +224,8 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
       nn_strip<A, kNnCols>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, ahead);
     for (; j + L <= ncol; j += L) nn_strip<A, 1>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, ahead);
   }
+#else
+  (void)next;
 #endif
   // Columns left over (all of them without vector extensions).
   for (; j < ncol; ++j)
