@@ -70,8 +70,8 @@ inline void with_row_count(index_t rows, F&& f) {
 /// C = A B on rows [0, rows) over columns [j, j + CB * L): row blocks of kNnRows, then the rest.
 template <class A, int CB>
 inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index_t acs, const A* b,
-                     index_t ldb, A* c, index_t ldc, SpreadPrefetch& next) {
-  for (index_t i = 0; i < rows; i += kNnRows, next.step())
+                     index_t ldb, A* c, index_t ldc, SpreadPrefetch& ahead) {
+  for (index_t i = 0; i < rows; i += kNnRows, ahead.step())
     with_row_count(std::min<index_t>(kNnRows, rows - i), [&](auto rb) {
       nn_block<A, decltype(rb)::value, CB>(depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc, false);
     });
