@@ -2,7 +2,8 @@
 //
 // Names: <dir>/<op>/B<b>/H<h>/T<t>/D<d>/<mask>, dir in {fwd, bwd, fwdbwd}, op in {mha, dcmha},
 // mask in {causal, full, window<w>} (window<w>: causal with a sliding window of w keys, the local
-// layers of DCFormer). Decoding: decode/<op>/B<b>/H<h>/S<s>/D<d>, one new token per sequence
+// layers of DCFormer). Storage is float; <dir>/<op>/bf16/B<b>/... are the same cases with bf16
+// tensors (float arithmetic), for a few shapes. Decoding: decode/<op>/B<b>/H<h>/S<s>/D<d>, one new token per sequence
 // against a DecodeCache holding s tokens (the new one included). Google Benchmark appends
 // "/real_time" (and "_median" etc. for aggregates) in its reports, so a --benchmark_filter should
 // not anchor the mask with '$'.
@@ -60,6 +61,7 @@ struct Case {
   dcmha::Mask mask;
   bool memory_counters;
   index_t window = 0;  // > 0: causal with a sliding window
+  bool bf16 = false;   // bf16 storage instead of float
 };
 
 const char* name_of(Dir d) { return d == Dir::fwd ? "fwd" : d == Dir::bwd ? "bwd" : "fwdbwd"; }
@@ -67,7 +69,7 @@ const char* name_of(Op o) { return o == Op::mha ? "mha" : "dcmha"; }
 const char* name_of(dcmha::Mask m) { return m == dcmha::Mask::causal ? "causal" : "full"; }
 
 std::string name_of(const Case& c) {
-  return std::string(name_of(c.dir)) + "/" + name_of(c.op) + "/B" + std::to_string(c.B) + "/H" +
+  return std::string(name_of(c.dir)) + "/" + name_of(c.op) + (c.bf16 ? "/bf16" : "") + "/B" + std::to_string(c.B) + "/H" +
          std::to_string(c.H) + "/T" + std::to_string(c.T) + "/D" + std::to_string(c.D) + "/" +
          (c.window > 0 ? "window" + std::to_string(c.window) : std::string(name_of(c.mask)));
 }
@@ -96,22 +98,29 @@ void fill_normal(std::vector<float>& x, float stddev, std::uint64_t seed) {
     if (i + 1 < x.size()) x[i + 1] = float(r * std::sin(two_pi * u2));
   }
 }
+void fill_normal(std::vector<dcmha::bf16>& x, float stddev, std::uint64_t seed) {
+  std::vector<float> f(x.size());
+  fill_normal(f, stddev, seed);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = dcmha::bf16(f[i]);
+}
 
 // One for every case and call, as a training loop keeps one: the timings are of the steady state,
 // not of allocating and faulting in the kernels' panels on every call. It holds about what the
 // largest case so far needed (the T16384 memory case runs in a process of its own).
 dcmha::Workspace workspace;
 
-// Every buffer of one problem, in the (B, T, H, D) layout of a real model. Gradients are only
-// allocated when a case needs them so that forward-only runs have the footprint of inference.
+// Every buffer of one problem, in the (B, T, H, D) layout of a real model, in storage type T.
+// Gradients are only allocated when a case needs them so that forward-only runs have the
+// footprint of inference.
+template <class Scalar>
 struct Problem {
   index_t B, H, T, D;
   bool dcmha;
-  std::vector<float> q, k, v, o, dout, dq, dk, dv;
-  std::vector<dcmha::acc_t<float>> lse;
-  dcmha::DynamicWeightsStorage<float> dynw, dynw_grad;
-  dcmha::ComposeWeights<float> compose;
-  dcmha::ComposeGrads<float> dcompose;
+  std::vector<Scalar> q, k, v, o, dout, dq, dk, dv;
+  std::vector<dcmha::acc_t<Scalar>> lse;
+  dcmha::DynamicWeightsStorage<Scalar> dynw, dynw_grad;
+  dcmha::ComposeWeights<Scalar> compose;
+  dcmha::ComposeGrads<Scalar> dcompose;
   bool have_forward = false;
   dcmha::Mask forward_mask = dcmha::Mask::causal;
   index_t forward_window = 0;
@@ -125,9 +134,9 @@ struct Problem {
     fill_normal(v, 1.0f, 3);
     lse.resize(static_cast<std::size_t>(B * H * T));
     if (dcmha) {
-      dynw = dcmha::DynamicWeightsStorage<float>(B, T, kGroups, kRank, H / kGroups);
+      dynw = dcmha::DynamicWeightsStorage<Scalar>(B, T, kGroups, kRank, H / kGroups);
       fill_normal(dynw.data, 0.1f, 4);
-      compose = dcmha::compose_weights<float>(dynw.views());
+      compose = dcmha::compose_weights<Scalar>(dynw.views());
     }
   }
 
@@ -137,12 +146,12 @@ struct Problem {
     dout.resize(n); dq.resize(n); dk.resize(n); dv.resize(n);
     fill_normal(dout, 1.0f, 5);
     if (dcmha) {
-      dynw_grad = dcmha::DynamicWeightsStorage<float>(B, T, kGroups, kRank, H / kGroups);
+      dynw_grad = dcmha::DynamicWeightsStorage<Scalar>(B, T, kGroups, kRank, H / kGroups);
       dcompose = dcmha::compose_grads(dynw_grad.views());
     }
   }
 
-  auto act(std::vector<float>& x) { return dcmha::bthd(x.data(), B, T, H, D); }
+  auto act(std::vector<Scalar>& x) { return dcmha::bthd(x.data(), B, T, H, D); }
   auto lse_view() { return dcmha::view<3>(lse.data(), {B, H, T}); }
 
   void forward(const dcmha::AttentionConfig& cfg) {
@@ -163,7 +172,7 @@ struct Problem {
   double io_bytes() const {
     const auto vecs = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &dynw.data, &dynw_grad.data};
     double bytes = double(lse.size()) * sizeof(lse[0]);
-    for (const auto* x : vecs) bytes += double(x->size()) * sizeof(float);
+    for (const auto* x : vecs) bytes += double(x->size()) * sizeof(T);
     return bytes;
   }
 };
@@ -171,18 +180,28 @@ struct Problem {
 // Google Benchmark calls a benchmark function once per repetition and per iteration-count probe;
 // rebuilding a T16384 problem each time would dominate the run, so the last one is kept. Only
 // one lives at a time, which keeps peak memory at the largest single case.
-std::unique_ptr<Problem> cached;
+std::unique_ptr<Problem<float>> cached;
+std::unique_ptr<Problem<dcmha::bf16>> cached_bf16;
 void release_decode_problem();
 
-Problem& problem_for(const Case& c) {
+template <class T>
+std::unique_ptr<Problem<T>>& cache_of() {
+  if constexpr (std::is_same_v<T, float>) return cached;
+  else return cached_bf16;
+}
+
+template <class T>
+Problem<T>& problem_for(const Case& c) {
   release_decode_problem();
+  if constexpr (std::is_same_v<T, float>) cached_bf16.reset();
+  else cached.reset();
+  std::unique_ptr<Problem<T>>& p = cache_of<T>();
   const bool dc = c.op == Op::dcmha;
-  if (!cached || cached->B != c.B || cached->H != c.H || cached->T != c.T || cached->D != c.D ||
-      cached->dcmha != dc) {
-    cached.reset();
-    cached = std::make_unique<Problem>(c.B, c.H, c.T, c.D, dc);
+  if (!p || p->B != c.B || p->H != c.H || p->T != c.T || p->D != c.D || p->dcmha != dc) {
+    p.reset();
+    p = std::make_unique<Problem<T>>(c.B, c.H, c.T, c.D, dc);
   }
-  return *cached;
+  return *p;
 }
 
 double peak_rss_mib() {
@@ -215,11 +234,12 @@ double useful_flops(const Case& c) {
   return f;
 }
 
-void run_case(benchmark::State& state, const Case& c) {
+template <class T>
+void run_case_as(benchmark::State& state, const Case& c) {
   dcmha::AttentionConfig cfg;
   cfg.mask = c.mask;
   cfg.window = c.window;
-  Problem& p = problem_for(c);
+  Problem<T>& p = problem_for<T>(c);
   if (c.dir != Dir::fwd) p.ensure_grads();
 
   // Google Benchmark calls this once per repetition; only the first call of a case warms up
@@ -264,6 +284,11 @@ void run_case(benchmark::State& state, const Case& c) {
     state.counters["peak_rss_MiB"] = peak_rss_mib();
     state.counters["io_MiB"] = p.io_bytes() / (1024.0 * 1024.0);
   }
+}
+
+void run_case(benchmark::State& state, const Case& c) {
+  if (c.bf16) run_case_as<dcmha::bf16>(state, c);
+  else run_case_as<float>(state, c);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -355,6 +380,7 @@ void release_decode_problem() { cached_decode.reset(); }
 // Like problem_for: one problem at a time, the attention problem released first.
 DecodeProblem& decode_problem_for(const DecodeCase& c) {
   cached.reset();
+  cached_bf16.reset();
   if (!cached_decode || cached_decode->c.op != c.op || cached_decode->c.B != c.B ||
       cached_decode->c.H != c.H || cached_decode->c.S != c.S || cached_decode->c.D != c.D) {
     cached_decode.reset();
@@ -474,6 +500,7 @@ void run_projection_case(benchmark::State& state, const ProjectionCase& c) {
   try {
     release_decode_problem();
     cached.reset();
+    cached_bf16.reset();
     ProjectionProblem p(c);
     p.prepare(cfg);
     p.run(cfg);  // warm-up: first touch of the outputs and the OpenMP pool
@@ -512,6 +539,13 @@ void register_all(bool smoke, bool memory_everywhere) {
   for (const ShapeSet& s : shapes)
     for (index_t T : s.Ts)
       for (Dir dir : {Dir::fwd, Dir::bwd}) register_projection_case({dir, 1, s.H, T, s.D});
+
+  // bf16 storage at DCFormer-6.9B's heads.
+  for (index_t T : smoke ? std::vector<index_t>{32, 64} : std::vector<index_t>{1024, 2048})
+    for (Op op : {Op::mha, Op::dcmha})
+      for (Dir dir : {Dir::fwd, Dir::bwd, Dir::fwdbwd})
+        register_case({dir, op, 1, smoke ? 4 : 32, T, smoke ? 16 : 128, dcmha::Mask::causal,
+                       memory_everywhere, 0, true});
 
   // Long context: what matters is that memory stays O(B·H·T), with no T×S buffer anywhere.
   if (!smoke)

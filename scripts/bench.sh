@@ -32,7 +32,7 @@ BENCH_MEMORY="${BENCH_MEMORY:-1}"
 # projection forward and backward for DCFormer-6.9B's width at T = 1024 and 2048. About 0.7 TFLOP
 # per repetition, so a few minutes even at ~10 GFLOP/s. No '$' anchor: reported names end in
 # /real_time.
-BENCH_FILTER="${BENCH_FILTER:-^((fwd|bwd)/(mha|dcmha)/B1/(H16/T(512|1024|2048|4096)/D64|H32/T(1024|2048)/D128)/causal|fwdbwd/(mha|dcmha)/B1/H32/T(1024|2048)/D128/causal|fwd/(mha|dcmha)/B1/H32/T(2048|8192)/D128/window256|decode/(mha|dcmha)/B(1|8)/H32/S4096/D128|(fwd|bwd)/dynw/B1/H32/T(1024|2048)/D128)}"
+BENCH_FILTER="${BENCH_FILTER:-^((fwd|bwd)/(mha|dcmha)/B1/(H16/T(512|1024|2048|4096)/D64|H32/T(1024|2048)/D128)/causal|fwdbwd/(mha|dcmha)/B1/H32/T(1024|2048)/D128/causal|fwd/(mha|dcmha)/B1/H32/T(2048|8192)/D128/window256|(fwd|fwdbwd)/(mha|dcmha)/bf16/B1/H32/T2048/D128/causal|decode/(mha|dcmha)/B(1|8)/H32/S4096/D128|(fwd|bwd)/dynw/B1/H32/T(1024|2048)/D128)}"
 MEMORY_FILTER='^fwdbwd/(mha|dcmha)/B1/H16/T16384/D64/causal'
 
 pkgs=(cmake make g++ libeigen3-dev libbenchmark-dev)

@@ -13,9 +13,11 @@ import re
 import statistics
 import sys
 
+# <dir>/<op>/bf16/...: bf16 storage, keyed with mask "<mask>/bf16" so that its DCMHA/MHA ratio
+# pairs bf16 with bf16.
 NAME = re.compile(
-    r"^(?P<dir>fwd|bwd|fwdbwd)/(?P<op>mha|dcmha)/B(?P<B>\d+)/H(?P<H>\d+)/T(?P<T>\d+)/D(?P<D>\d+)"
-    r"/(?P<mask>causal|full|window\d+)")
+    r"^(?P<dir>fwd|bwd|fwdbwd)/(?P<op>mha|dcmha)(?P<storage>/bf16)?/B(?P<B>\d+)/H(?P<H>\d+)/T(?P<T>\d+)"
+    r"/D(?P<D>\d+)/(?P<mask>causal|full|window\d+)")
 # decode/<op>/B<b>/H<h>/S<s>/D<d>: one new token against s cached ones. Keyed like the rows above
 # with dir "decode", T = s and mask "cache", so ratios, sorting and plotting need no special case.
 DECODE_NAME = re.compile(
@@ -42,6 +44,8 @@ def load(paths):
             if not m:
                 continue
             mask = "cache" if m["dir"] == "decode" else "proj" if m["op"] == "dynw" else m["mask"]
+            if m.re is NAME and m["storage"]:
+                mask += "/bf16"
             key = (m["dir"], m["op"], int(m["B"]), int(m["H"]), int(m["T"]), int(m["D"]), mask)
             if b.get("error_occurred"):
                 errors[key] = b.get("error_message", "error")

@@ -375,6 +375,142 @@ TYPED_TEST(AttentionVsReference, WorkspaceKeptBetweenCalls) {
   EXPECT_EQ(ws.bytes(), 0u);
 }
 
+// ---------------------------------------------------------------------------------------------
+// bf16 storage: float arithmetic on the widened values, results rounded once (config.hpp). So
+// on inputs that are bf16 values, every output and gradient must be exactly the float kernels'
+// result rounded to bf16: a stricter check than a tolerance, and one that covers every switch
+// and tile edge the float tests cover.
+
+double round_to_bf16(double x) { return double(static_cast<float>(dcmha::bf16(static_cast<float>(x)))); }
+
+void round_all(std::vector<double>& x) {
+  for (double& e : x) e = round_to_bf16(e);
+}
+
+/// p with every input rounded to a bf16 value (float and bf16 storage then hold the same values).
+dcmha::reference::Problem bf16_problem(dcmha::reference::Problem p) {
+  for (auto* x : {&p.q, &p.k, &p.v}) round_all(*x);
+  for (auto* c : {&p.pre, &p.post})
+    for (auto* x : {&c->w, &c->qw1, &c->qw2, &c->kw1, &c->kw2, &c->qdd, &c->kdd}) round_all(*x);
+  return p;
+}
+
+/// Every output (out, lse, gradients) of forward + backward, in a fixed order.
+template <class T>
+std::vector<double> run_all(const dcmha::reference::Problem& p, const std::vector<double>& dout,
+                            int threads, Layout layout) {
+  TypedProblem<T> tp(p, layout);
+  tp.num_threads = threads;
+  tp.set_dout(dout);
+  dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
+  dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
+                  tp.dv(), tp.compose(), tp.dcompose());
+  std::vector<double> all = tp.out_values();
+  const std::vector<double> lse = tp.lse_values();
+  all.insert(all.end(), lse.begin(), lse.end());
+  const dcmha::reference::Gradients g = tp.gradients();
+  for (auto& [name, vec] : dcmha::test::named_gradients(g)) all.insert(all.end(), vec->begin(), vec->end());
+  return all;
+}
+
+/// bf16 storage against float storage on the same (bf16-valued) inputs: equal after rounding
+/// the float results (lse is float in both).
+void check_bf16_is_rounded_float(const ProblemSpec& spec, uint64_t seed, int threads,
+                                 Layout layout = Layout::bhtd) {
+  SCOPED_TRACE(spec.str() + " threads=" + std::to_string(threads) +
+               (layout == Layout::bthd ? " bthd" : " bhtd") + " seed=" + std::to_string(seed));
+  const dcmha::reference::Problem p = bf16_problem(dcmha::test::random_problem(spec, seed));
+  std::vector<double> dout = dcmha::test::random_dout(p, seed);
+  round_all(dout);
+  const std::vector<double> f = run_all<float>(p, dout, threads, layout);
+  const std::vector<double> h = run_all<dcmha::bf16>(p, dout, threads, layout);
+  ASSERT_EQ(f.size(), h.size());
+  const size_t n_out = size_t(p.B * p.H * p.T * p.Dv), n_lse = size_t(p.B * p.H * p.T);
+  size_t mismatches = 0, first = 0;
+  for (size_t i = 0; i < f.size(); ++i) {
+    const bool is_lse = i >= n_out && i < n_out + n_lse;
+    const double want = is_lse ? f[i] : round_to_bf16(f[i]);
+    const bool same = want == h[i];  // -inf == -inf for rows without keys
+    if (!same && mismatches++ == 0) first = i;
+  }
+  EXPECT_EQ(mismatches, 0u) << "first at element " << first << " of " << f.size() << " (out: "
+                            << n_out << ", lse: " << n_lse << "): float " << f[first] << " bf16 " << h[first];
+}
+
+TEST(Bf16Storage, RandomProblemsAreTheRoundedFloatResults) {
+  dcmha::test::Rng rng(77);
+  for (int i = 0; i < 60; ++i) {
+    const ProblemSpec s = random_spec(rng);
+    check_bf16_is_rounded_float(s, 3000 + i, 1 + i % 3, i % 2 ? Layout::bthd : Layout::bhtd);
+  }
+}
+
+TEST(Bf16Storage, TileEdgesAreTheRoundedFloatResults) {
+  // Query blocks of 64 rows +-1, key tiles and thread splits (S around 16, 32, 64 multiples),
+  // decode-sized blocks (T < 8: the few-rows products), one team and whole items per thread.
+  for (int64_t T : {1, 3, 63, 65, 129}) {
+    for (int64_t S : {T, int64_t(97)}) {
+      ProblemSpec s;
+      s.B = 1; s.H = 4; s.Hk = 2; s.T = T; s.S = std::max(S, T); s.D = 24; s.Dv = 17; s.G = 1;
+      s.causal = T % 2 == 1;
+      s.pre = s.post = SideSpec::dynamic();
+      for (int threads : {1, 2}) check_bf16_is_rounded_float(s, uint64_t(T * 1000 + S), threads, Layout::bthd);
+    }
+  }
+  ProblemSpec many;  // many groups: each thread takes whole (batch, group) items
+  many.B = 2; many.H = 8; many.Hk = 8; many.G = 4; many.T = 70; many.S = 70; many.D = 16; many.Dv = 16;
+  many.causal = true;
+  check_bf16_is_rounded_float(many, 5, 2);
+}
+
+TEST(Bf16Storage, OfficialConfigurationAgainstTheReference) {
+  // And within bf16's resolution of the float64 reference (one rounding of the result: 2^-9
+  // relative, plus the float arithmetic's error).
+  ProblemSpec s;
+  s.B = 1; s.H = 8; s.Hk = 8; s.T = 70; s.S = 70; s.D = 16; s.Dv = 16; s.G = 1; s.causal = true;
+  s.pre = s.post = SideSpec::dynamic();
+  const dcmha::reference::Problem p = bf16_problem(dcmha::test::random_problem(s, 11));
+  std::vector<double> dout = dcmha::test::random_dout(p, 11);
+  round_all(dout);
+  TypedProblem<dcmha::bf16> tp(p, Layout::bthd);
+  tp.num_threads = 2;
+  tp.set_dout(dout);
+  dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
+  dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
+                  tp.dv(), tp.compose(), tp.dcompose());
+  EXPECT_LE(dcmha::test::max_rel_error(dcmha::reference::forward(p), tp.out_values()), 4e-3) << "out";
+  for (const auto& e : dcmha::test::gradient_errors(dcmha::reference::backward(p, dout), tp.gradients()))
+    EXPECT_LE(e.rel, 4e-3) << e.name;
+}
+
+TEST(Bf16Storage, ConversionsRoundAsEigenDoes) {
+  // The vector paths of the kernels' edges against Eigen's scalar bfloat16(float): ties to even
+  // both ways, values that round up into the exponent or to infinity, subnormals, signed zeros,
+  // infinities and NaNs of either sign; 37 values, so that the scalar tails run too.
+  const uint32_t bits[] = {0x3f808000u, 0x3f818000u, 0x3f807fffu, 0x3f808001u, 0x3fffffffu, 0x7f7fffffu,
+                           0xff7fffffu, 0x00000001u, 0x80008000u, 0x00018000u, 0x00000000u, 0x80000000u,
+                           0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff812345u,
+                           0x3eaaaaabu, 0xbeaaaaabu, 0x40490fdbu, 0xc0490fdbu, 0x3f7fff80u, 0x3f7fff7fu,
+                           0x3f7fff81u, 0x477fe000u, 0x477ff000u, 0x00800000u, 0x007fffffu, 0x4b000001u,
+                           0x3dcccccdu, 0xbdcccccdu, 0x42f6e979u, 0xc2f6e979u, 0x3f000080u, 0x3f000180u, 0x33d6bf95u};
+  const size_t n = std::size(bits);
+  std::vector<float> x(n);
+  for (size_t i = 0; i < n; ++i) std::memcpy(&x[i], &bits[i], 4);
+  std::vector<dcmha::bf16> narrowed(n);
+  dcmha::cpu::narrow_row(x.data(), narrowed.data(), dcmha::index_t(n));
+  for (size_t i = 0; i < n; ++i) {
+    const dcmha::bf16 want(x[i]);
+    EXPECT_EQ(Eigen::numext::bit_cast<uint16_t>(narrowed[i]), Eigen::numext::bit_cast<uint16_t>(want))
+        << "value " << i << " bits " << std::hex << bits[i];
+  }
+  std::vector<float> widened(n);
+  dcmha::cpu::widen_row(narrowed.data(), widened.data(), dcmha::index_t(n), 1.0f);
+  for (size_t i = 0; i < n; ++i) {
+    const float want = static_cast<float>(narrowed[i]);
+    EXPECT_EQ(std::memcmp(&widened[i], &want, 4), 0) << "value " << i;
+  }
+}
+
 TEST(AttentionApi, MhaIsDcmhaWithComposeOff) {
   // The drop-in contract: the same call without compose weights is plain softmax attention.
   ProblemSpec s;

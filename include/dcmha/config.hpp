@@ -1,5 +1,6 @@
 #pragma once
 // AttentionConfig: everything about an attention call that is not a tensor.
+#include <Eigen/Core>
 #include <cstdint>
 
 #include "tensor.hpp"
@@ -42,5 +43,10 @@ struct accumulator<double> {
 };
 template <class T>
 using acc_t = typename accumulator<T>::type;
+
+/// bfloat16 storage (the official DCFormer checkpoints' type): attention's tensors, compose
+/// weights and gradients in bf16, arithmetic and lse in float. Results are the float kernels'
+/// results on the same values, rounded once to bf16.
+using bf16 = Eigen::bfloat16;
 
 }  // namespace dcmha

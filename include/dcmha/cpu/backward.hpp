@@ -21,6 +21,7 @@
 #include "../workspace.hpp"
 #include "compose.hpp"
 #include "compose_simd.hpp"
+#include "convert.hpp"
 #include "forward.hpp"
 #include "gemm.hpp"
 #include "mask.hpp"
@@ -83,6 +84,16 @@ void zero_rows(const TensorView<T, 4>& x, int tid, int nth) {
   }
 }
 
+/// Flattened rows [r0, r1) of a (B, H, L, D) view: x's rows rounded into out's (narrow storage).
+template <class T, class A>
+void narrow_rows(const TensorView<A, 4>& x, const TensorView<T, 4>& out, index_t r0, index_t r1) {
+  const index_t H = x.shape[1], L = x.shape[2];
+  for (index_t r = r0; r < r1; ++r) {
+    const index_t b = r / (H * L), h = r / L % H, t = r % L;
+    narrow_row(row_ptr(x, b, h, t), row_ptr(out, b, h, t), x.shape[3]);
+  }
+}
+
 }  // namespace detail_bwd
 
 /// Buffers one team shares while it works on one (batch, group). The three panels and the
@@ -93,7 +104,10 @@ struct BackwardWorkspace : SlabLayout {
   ComposeSide<A> pre, post;
   ComposeKeyGrads<A> pre_kg, post_kg;
   A *Lp = nullptr, *Pp = nullptr, *dPp = nullptr;  // [rank][tile][row][m][key], see SlabLayout
-  A* dq_part = nullptr;  // [rank][m][row][D], teams of more than one thread only
+  A* dq_part = nullptr;  // [rank][m][row][D], when staged
+  // dQ accumulates in dq_part and is written (summed over the team, rounded to the storage type)
+  // once per block: for teams of more than one thread and for narrow storage.
+  bool staged = false;
   Buffer<A> d_part;      // [rank][m][row]
   // Two sets, alternating by block: a thread may start the next block while others still sum
   // this block's query-wise gradients.
@@ -105,7 +119,7 @@ struct BackwardWorkspace : SlabLayout {
   static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask,
                              const ComposeWeights<T>& cw, int team_size) {
     BackwardWorkspace w;
-    w.layout(d, mask, team_size);
+    w.layout(d, mask, team_size, !std::is_same_v<T, A>);
     return round_up((cw.pre.enabled() ? 3 : 2) * w.panel_size(team_size) + w.dq_part_size(d, team_size),
                     64 / index_t(sizeof(A)));
   }
@@ -115,7 +129,7 @@ struct BackwardWorkspace : SlabLayout {
   void init(const detail::AttentionDims& d, const RowMask& mask, const ComposeWeights<T>& cw,
             int team_size, A* memory) {
     const index_t M = d.M;
-    layout(d, mask, team_size);
+    layout(d, mask, team_size, !std::is_same_v<T, A>);
     pre.init(cw.pre, M, padded_stride<A>(d.S));  // key-wise terms of every key
     post.init(cw.post, M, padded_stride<A>(d.S));
     if (pre.has_k) pre_kg.init(pre);
@@ -134,8 +148,9 @@ struct BackwardWorkspace : SlabLayout {
   A* slab_of(A* panel, int rank, index_t t) { return panel + slab_offset(rank, t); }
 
  private:
-  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
+  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size, bool narrow) {
     const index_t M = d.M;
+    staged = team_size > 1 || narrow;
     // One team shares the three panels, so they get a larger budget than one forward panel.
     Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(64)), d.T, 3, index_t(48) << 20);
     // Keys per tile: the tile's slabs of the three panels (3 x M x Bq x tile values) are
@@ -144,12 +159,13 @@ struct BackwardWorkspace : SlabLayout {
     init_slabs<A>(M, Bq, 3, index_t(1024) << 10, mask.max_block_keys(Bq), team_size);
   }
   index_t dq_part_size(const detail::AttentionDims& d, int team_size) const {
-    return team_size > 1 ? team_size * d.M * Bq * d.D : 0;
+    return staged ? team_size * d.M * Bq * d.D : 0;
   }
 };
 
-/// One (batch, group): every query block of it, the keys shared across the team. dK and dV of
-/// the group's kv heads must be zero on entry. dw_pre / dw_post: this thread's accumulators of
+/// One (batch, group): every query block of it, the keys shared across the team. dk and dv: the
+/// accumulators of dK and dV (the caller's tensors, or float ones for narrow storage), zero on
+/// entry for the group's kv heads. dw_pre / dw_post: this thread's accumulators of
 /// the static weights' gradients for group g (M x M), or null.
 ///
 /// Per block, two passes over this thread's key tiles, as in the forward. Pass 1: L, P (from the
@@ -160,8 +176,8 @@ template <class T, class A>
 void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& mask, A scale,
                     const detail::AttentionDims& d, index_t b, index_t g, TensorView<const T, 4> q,
                     TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<const A, 3> lse,
-                    TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
-                    TensorView<T, 4> dv, const ComposeWeights<T>& cw, const ComposeGrads<T>& dcw,
+                    TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<A, 4> dk,
+                    TensorView<A, 4> dv, const ComposeWeights<T>& cw, const ComposeGrads<T>& dcw,
                     A* dw_pre, A* dw_post, Workspace& mem) {
   using namespace detail_bwd;
   const int tid = team.rank, nth = team.size;
@@ -304,11 +320,12 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         for (int j = 0; j < nth; ++j) Dm += ws.d_part[(j * M + m) * Bq + i];
         row_d[i * M + m] = Dm;
       }
-    // Alone on the group, a thread writes straight to the caller's gradient.
-    auto dq_rows = [&](index_t m) {
-      return nth == 1 ? row_ptr(dq, b, g * M + m, t0) : ws.dq_part + (tid * M + m) * Bq * D;
+    // Unstaged (alone on the group, float storage), a thread writes straight to the caller's gradient.
+    auto dq_rows = [&](index_t m) -> A* {
+      if constexpr (!std::is_same_v<T, A>) return ws.dq_part + (tid * M + m) * Bq * D;
+      else return ws.staged ? ws.dq_part + (tid * M + m) * Bq * D : row_ptr(dq, b, g * M + m, t0);
     };
-    const index_t ldq = nth == 1 ? dq.stride[2] : D;
+    const index_t ldq = ws.staged ? D : dq.stride[2];
     for (index_t m = 0; m < M; ++m)
       for (index_t i = 0; i < nr; ++i)
         if (c1 == c0 || i < lo || i >= hi) std::fill(dq_rows(m) + i * ldq, dq_rows(m) + i * ldq + D, A(0));
@@ -369,7 +386,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     // 3. Sum dQ and the query-wise gradients over the team, a share of the rows each.
     index_t r0, r1;
     split_range(0, nr, tid, nth, 1, r0, r1);
-    if (nth > 1) sum_team_parts<T, A>(team, ws.dq_part, M, Bq, nr, D, dq, b, g * M, t0);
+    if (ws.staged) sum_team_parts<T, A>(team, ws.dq_part, M, Bq, nr, D, dq, b, g * M, t0);
     for (index_t i = r0; i < r1; ++i) {
       store_row_grads(pre, ws.pre_rg.data() + set, Bq, nth, i, dcw.pre, b, t0 + i, g);
       store_row_grads(post, ws.post_rg.data() + set, Bq, nth, i, dcw.post, b, t0 + i, g);
@@ -397,8 +414,8 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
               TensorView<T, 4> dv, const ComposeWeights<T>& cw, const ComposeGrads<T>& dcw,
               Workspace& mem) {
   using A = acc_t<T>;
-  static_assert(std::is_same_v<A, T>, "storage narrower than the accumulator is not supported yet");
   using namespace detail_bwd;
+  constexpr bool narrow = !std::is_same_v<T, A>;
   const int nt = thread_count(cfg.num_threads);
   const RowMask mask(cfg, d.T, d.S);
   const A scale = default_scale<A>(cfg.scale, d.D);
@@ -421,6 +438,18 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
   };
 
   detail::WorkspaceAccess::reserve_slots(mem, nt);
+  // dK and dV sum over every query block: with narrow storage, in float accumulators, rounded
+  // once at the end (bf16 sums over hundreds of blocks would lose the gradient's low bits).
+  TensorView<A, 4> dk_acc, dv_acc;
+  if constexpr (narrow) {
+    const index_t nk = d.B * d.Hk * d.S;
+    A* acc = detail::WorkspaceAccess::shared<A>(mem, 1, nk * (d.D + d.Dv));
+    dk_acc = bhtd(acc, d.B, d.Hk, d.S, d.D);
+    dv_acc = bhtd(acc + nk * d.D, d.B, d.Hk, d.S, d.Dv);
+  } else {
+    dk_acc = dk;
+    dv_acc = dv;
+  }
   if (independent) {
     // Every thread's panels in one Workspace block (shared with the forward's, see there).
     const index_t private_size = BackwardWorkspace<A>::memory_size(d, mask, cw, 1);
@@ -435,12 +464,16 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
         const index_t hk0 = g0 * M / group_of_kv, hk1 = (g0 + groups_per_item) * M / group_of_kv;
         for (index_t hk = hk0; hk < hk1; ++hk)
           for (index_t s = 0; s < d.S; ++s) {
-            mutable_rows_of(dk, b, hk, s, 1).setZero();
-            mutable_rows_of(dv, b, hk, s, 1).setZero();
+            mutable_rows_of(dk_acc, b, hk, s, 1).setZero();
+            mutable_rows_of(dv_acc, b, hk, s, 1).setZero();
           }
         for (index_t g = g0; g < g0 + groups_per_item; ++g)
-          backward_group(Team{0, 1}, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk, dv, cw,
-                         dcw, dw_slot(dw_pre, b, 0, g), dw_slot(dw_post, b, 0, g), mem);
+          backward_group(Team{0, 1}, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc, dv_acc,
+                         cw, dcw, dw_slot(dw_pre, b, 0, g), dw_slot(dw_post, b, 0, g), mem);
+        if constexpr (narrow) {
+          narrow_rows(dk_acc, dk, (b * d.Hk + hk0) * d.S, (b * d.Hk + hk1) * d.S);
+          narrow_rows(dv_acc, dv, (b * d.Hk + hk0) * d.S, (b * d.Hk + hk1) * d.S);
+        }
       }
     }
   } else {
@@ -449,13 +482,19 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
 #pragma omp parallel num_threads(nt)
     {
       const Team team{thread_id(), team_size()};
-      zero_rows(dk, team.rank, team.size);
-      zero_rows(dv, team.rank, team.size);
+      zero_rows(dk_acc, team.rank, team.size);
+      zero_rows(dv_acc, team.rank, team.size);
       team.sync();
       for (index_t b = 0; b < d.B; ++b)
         for (index_t g = 0; g < G; ++g)
-          backward_group(team, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk, dv, cw, dcw,
+          backward_group(team, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc, dv_acc, cw, dcw,
                          dw_slot(dw_pre, b, team.rank, g), dw_slot(dw_post, b, team.rank, g), mem);
+      if constexpr (narrow) {  // backward_group ends at a barrier: every block has added its part
+        index_t r0, r1;
+        split_range(0, d.B * d.Hk * d.S, team.rank, team.size, 1, r0, r1);
+        narrow_rows(dk_acc, dk, r0, r1);
+        narrow_rows(dv_acc, dv, r0, r1);
+      }
     }
   }
 

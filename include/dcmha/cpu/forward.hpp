@@ -24,6 +24,7 @@
 #include "../workspace.hpp"
 #include "compose.hpp"
 #include "compose_simd.hpp"
+#include "convert.hpp"
 #include "gemm.hpp"
 #include "mask.hpp"
 #include "parallel.hpp"
@@ -84,7 +85,11 @@ template <class A>
 struct ForwardWorkspace : SlabLayout {
   index_t Bq = 0;
   A* panel = nullptr;          // [rank][tile][row][m][key], see SlabLayout
-  A* o_part = nullptr;         // [rank][m][row][Dv], teams of more than one thread only
+  A* o_part = nullptr;         // [rank][m][row][Dv], when staged
+  // Outputs accumulate in o_part, then are written (summed over the team, rounded to the storage
+  // type) once per block: for teams of more than one thread and for narrow storage. Otherwise a
+  // thread accumulates straight into the caller's output.
+  bool staged = false;
   Buffer<A> row_max, row_sum;  // [rank][m][row]
 
   /// Rows per query block. The panel's cache footprint does not matter (slabs do), only its
@@ -96,15 +101,16 @@ struct ForwardWorkspace : SlabLayout {
   /// Values of Workspace memory one team of team_size threads needs: whole cache lines, so that
   /// panels carved one after another from a block keep its alignment, which the order of the
   /// reductions over them depends on (Buffer, tile.hpp).
-  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
+  /// `narrow`: the storage type is narrower than A (outputs staged).
+  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask, int team_size, bool narrow) {
     ForwardWorkspace w;
-    w.layout(d, mask, team_size);
+    w.layout(d, mask, team_size, narrow);
     return round_up(w.panel_size(team_size) + w.o_part_size(d, team_size), 64 / index_t(sizeof(A)));
   }
 
   /// `memory`: memory_size() values, written before they are read.
-  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size, A* memory) {
-    layout(d, mask, team_size);
+  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size, bool narrow, A* memory) {
+    layout(d, mask, team_size, narrow);
     panel = memory;
     o_part = memory + panel_size(team_size);
     row_max.assign(team_size * d.M * Bq, A(0));
@@ -116,12 +122,13 @@ struct ForwardWorkspace : SlabLayout {
   /// A tile's slab, M x Bq x tile values, is produced and consumed while it is still in L2 (half
   /// of it). Sweeping the whole panel once per step instead made DCMHA memory-bound (tens of MiB
   /// at M = 32).
-  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
+  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size, bool narrow) {
     Bq = block_rows(d, mask);
+    staged = team_size > 1 || narrow;
     init_slabs<A>(d.M, Bq, 1, index_t(512) << 10, mask.max_block_keys(Bq), team_size);
   }
   index_t o_part_size(const detail::AttentionDims& d, int team_size) const {
-    return team_size > 1 ? team_size * d.M * Bq * d.Dv : 0;
+    return staged ? team_size * d.M * Bq * d.Dv : 0;
   }
 };
 
@@ -161,9 +168,11 @@ struct ForwardRows {
   Buffer<A> tile_max;  // [tile][m][row]: the running maximum tile's exponentials were taken at
   Buffer<A> scale;     // [row][m]: what turns one tile's exponentials into probabilities
   Buffer<A> kt;        // one key tile of K (transposed, scaled) or of V, packed contiguous
+  Buffer<A> q;         // narrow storage: a block's Q rows of every head, widened ([m][row][D])
 
   /// Sized for the blocks and tiles of `ws` (already initialized).
-  ForwardRows(const ComposeSides<A>& sides, const ForwardWorkspace<A>& ws, const detail::AttentionDims& d)
+  ForwardRows(const ComposeSides<A>& sides, const ForwardWorkspace<A>& ws, const detail::AttentionDims& d,
+              bool narrow)
       : pre(ws.Bq), post(ws.Bq) {
     const index_t Bq = ws.Bq, M = d.M;
     for (auto& r : pre) r.init(sides.pre);
@@ -174,6 +183,7 @@ struct ForwardRows {
     tile_max.assign(ws.tiles * M * Bq, A(0));
     scale.assign(Bq * M, A(0));
     kt.assign(std::max(d.D, d.Dv) * ws.tile, scratch_init<A>());
+    if (narrow) q.assign(M * Bq * d.D, scratch_init<A>());
   }
 };
 
@@ -232,6 +242,16 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       my_max[j] = kNegInf;
       my_sum[j] = A(0);
     }
+    // The score products read Q in place (float storage) or widened once per block (narrow).
+    constexpr bool narrow = !std::is_same_v<T, A>;
+    if constexpr (narrow)
+      if (c1 > c0)
+        for (index_t m = 0; m < M; ++m)
+          pack_rows<A>(nl, d.D, row_ptr(q, b, g * M + m, t0 + lo), q.stride[2], rows.q.data() + (m * Bq + lo) * d.D, d.D);
+    auto q_rows = [&](index_t m) -> std::pair<const A*, index_t> {
+      if constexpr (narrow) return {rows.q.data() + (m * Bq + lo) * d.D, d.D};
+      else return {row_ptr(q, b, g * M + m, t0 + lo), q.stride[2]};
+    };
 
     // Pass 1: scores, Compose_pre, exponentials against the running maximum.
     for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
@@ -239,8 +259,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       A* slab = ws.slab_of(tid, tile);  // slab[i * rs + m * tw + (s - cs)] holds key s
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
+        const auto [qm, ldq] = q_rows(m);
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          gemm_abt<A>(nl, n, d.D, row_ptr(q, b, h, t0 + lo), q.stride[2], row_ptr(k, b, h / group_of_kv, p),
+          gemm_abt<A>(nl, n, d.D, qm, ldq, row_ptr(k, b, h / group_of_kv, p),
                       k.stride[2], slab + lo * rs + m * tw + (s - cs), rs, scale, kt,
                       {next_rows(next_head(k, m, p), n, k.stride[2], d.D), {}});
         });
@@ -300,10 +321,12 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       }
 
     // Pass 2: tile factors, Compose_post, P'V.
-    // Alone on the group, a thread accumulates straight into the caller's output.
-    const index_t ldo = nth == 1 ? out.stride[2] : Dv;
-    auto out_rows = [&](index_t m) {
-      return nth == 1 ? row_ptr(out, b, g * M + m, t0) : ws.o_part + (tid * M + m) * Bq * Dv;
+    // Unstaged (alone on the group, float storage), a thread accumulates straight into the
+    // caller's output.
+    const index_t ldo = ws.staged ? Dv : out.stride[2];
+    auto out_rows = [&](index_t m) -> A* {
+      if constexpr (narrow) return ws.o_part + (tid * M + m) * Bq * Dv;
+      else return ws.staged ? ws.o_part + (tid * M + m) * Bq * Dv : row_ptr(out, b, g * M + m, t0);
     };
     for (index_t m = 0; m < M; ++m)
       for (index_t i = 0; i < nr; ++i) std::fill(out_rows(m) + i * ldo, out_rows(m) + i * ldo + Dv, A(0));
@@ -340,7 +363,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
         });
       }
     }
-    if (nth == 1) continue;
+    if (!ws.staged) continue;
     team.sync();
 
     // Sum the partial outputs in thread order; each thread writes a share of the rows.
@@ -355,7 +378,6 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
              TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& cw, Workspace& mem,
              const KeyRing& ring = {}) {
   using A = acc_t<T>;
-  static_assert(std::is_same_v<A, T>, "storage narrower than the accumulator is not supported yet");
   const int nt = thread_count(cfg.num_threads);
   const RowMask mask(cfg, d.T, d.S);
   const A scale = default_scale<A>(cfg.scale, d.D);
@@ -364,7 +386,8 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   const index_t blocks = (d.T + Bq - 1) / Bq;
   // Threads with a private panel each: one Workspace block for all of them, so that forward
   // and backward calls share (and keep) one buffer for their panels.
-  const index_t private_size = ForwardWorkspace<A>::memory_size(d, mask, 1);
+  constexpr bool narrow = !std::is_same_v<T, A>;
+  const index_t private_size = ForwardWorkspace<A>::memory_size(d, mask, 1, narrow);
   detail::WorkspaceAccess::reserve_slots(mem, nt);
 
   if (independent_items(items, nt)) {
@@ -373,10 +396,10 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
 #pragma omp parallel num_threads(nt)
     {
       ForwardWorkspace<A> ws;
-      ws.init(d, mask, 1, panels + thread_id() * private_size);
+      ws.init(d, mask, 1, narrow, panels + thread_id() * private_size);
       ComposeSides<A> sides;
       sides.init(d, cw, ring);
-      ForwardRows<A> rows(sides, ws, d);
+      ForwardRows<A> rows(sides, ws, d, narrow);
 #pragma omp for schedule(dynamic, 1)
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
@@ -397,8 +420,8 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
     {
       const Team team{thread_id(), team_size()};
       ForwardWorkspace<A> ws;
-      ws.init(d, mask, 1, panels + team.rank * private_size);
-      ForwardRows<A> rows(sides, ws, d);
+      ws.init(d, mask, 1, narrow, panels + team.rank * private_size);
+      ForwardRows<A> rows(sides, ws, d, narrow);
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
         sides.load(team, cw, d.S, b, g, ring);
@@ -411,11 +434,11 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   }
   // Few rows (decoding, short prompts): the whole team shares each block's keys.
   ForwardWorkspace<A> ws;
-  ws.init(d, mask, nt, detail::WorkspaceAccess::shared<A>(mem, 0, ForwardWorkspace<A>::memory_size(d, mask, nt)));
+  ws.init(d, mask, nt, narrow, detail::WorkspaceAccess::shared<A>(mem, 0, ForwardWorkspace<A>::memory_size(d, mask, nt, narrow)));
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};
-    ForwardRows<A> rows(sides, ws, d);
+    ForwardRows<A> rows(sides, ws, d, narrow);
     for (index_t it = 0; it < items; ++it) {
       const index_t b = it / d.G, g = it % d.G;
       sides.load(team, cw, d.S, b, g, ring);

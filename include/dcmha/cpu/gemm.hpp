@@ -14,6 +14,7 @@
 #include <type_traits>
 
 #include "../tensor.hpp"
+#include "convert.hpp"
 #include "simd.hpp"
 #include "tile.hpp"
 
@@ -96,18 +97,18 @@ inline index_t nn_row_block(index_t ncol, index_t depth, const A* a, index_t ars
 /// becomes the broadcast-A product gemm_nn. Packing one key tile costs 1/rows of the product it
 /// feeds (one transpose per element against `rows` multiply-adds); dot products along the depth
 /// instead need a horizontal reduction per output and two loads per multiply-add (measured 33
-/// against 54 GFLOP/s for gemm_nn on one core).
-template <class A>
-void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha, A* bt, index_t ldt) {
+/// against 54 GFLOP/s for gemm_nn on one core). B may be narrower storage (bf16), widened here.
+template <class A, class S>
+void pack_transposed(index_t n, index_t depth, const S* b, index_t ldb, A alpha, A* bt, index_t ldt) {
   index_t j = 0;
 #if defined(__AVX__)
-  if constexpr (std::is_same_v<A, float>) {
+  if constexpr (std::is_same_v<A, float> && (std::is_same_v<S, float> || kVectorBf16)) {
     for (; j + 8 <= n; j += 8) {
       index_t d = 0;
       for (; d + 8 <= depth; d += 8) {
         const __m256 s = _mm256_set1_ps(alpha);
         __m256 r[8], t[8];
-        for (int i = 0; i < 8; ++i) r[i] = _mm256_mul_ps(_mm256_loadu_ps(b + (j + i) * ldb + d), s);
+        for (int i = 0; i < 8; ++i) r[i] = _mm256_mul_ps(load8_widened(b + (j + i) * ldb + d), s);
         for (int i = 0; i < 4; ++i) {
           t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
           t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -124,26 +125,29 @@ void pack_transposed(index_t n, index_t depth, const A* b, index_t ldb, A alpha,
         }
       }
       for (; d < depth; ++d)
-        for (index_t i = 0; i < 8; ++i) bt[d * ldt + j + i] = alpha * b[(j + i) * ldb + d];
+        for (index_t i = 0; i < 8; ++i) bt[d * ldt + j + i] = alpha * A(b[(j + i) * ldb + d]);
     }
   }
 #endif
   for (; j < n; ++j)
-    for (index_t d = 0; d < depth; ++d) bt[d * ldt + j] = alpha * b[j * ldb + d];
+    for (index_t d = 0; d < depth; ++d) bt[d * ldt + j] = alpha * A(b[j * ldb + d]);
 }
 
-/// dst[j][:] = src[j][:] for j < n rows of `cols` values: one key tile of V (or Q, dO) packed
-/// contiguous. Caller rows are often far apart (the (B, T, H, D) layout puts 16 KiB between the
-/// rows of one head at H32/D128), one page each: read in place by every row block of a product,
-/// they missed the TLB on most loads (measured: 30% of the forward's time on one load).
-template <class A>
-void pack_rows(index_t n, index_t cols, const A* src, index_t lds, A* dst, index_t ldd, A alpha = A(1)) {
+/// dst[j][:] = alpha * src[j][:] for j < n rows of `cols` values: one key tile of V (or Q, dO)
+/// packed contiguous, widened to A if src is narrower storage. Caller rows are often far apart
+/// (the (B, T, H, D) layout puts 16 KiB between the rows of one head at H32/D128), one page
+/// each: read in place by every row block of a product, they missed the TLB on most loads
+/// (measured: 30% of the forward's time on one load).
+template <class A, class S>
+void pack_rows(index_t n, index_t cols, const S* src, index_t lds, A* dst, index_t ldd, A alpha = A(1)) {
   for (index_t j = 0; j < n; ++j) {
-    if (alpha == A(1)) {
-      std::copy(src + j * lds, src + j * lds + cols, dst + j * ldd);
-    } else {
-      for (index_t e = 0; e < cols; ++e) dst[j * ldd + e] = alpha * src[j * lds + e];
+    if constexpr (std::is_same_v<S, A>) {
+      if (alpha == A(1)) {
+        std::copy(src + j * lds, src + j * lds + cols, dst + j * ldd);
+        continue;
+      }
     }
+    widen_row(src + j * lds, dst + j * ldd, cols, alpha);
   }
 }
 
@@ -237,25 +241,34 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
 }
 
 /// C = alpha A B^T, rows x n over `depth` (scores Q K^T, dP' = dO V^T). B's n rows are transposed
-/// into `buf` (depth x n values) that all rows share, unless there are too few rows to share it.
+/// into `buf` (depth x n values) that all rows share, unless there are too few rows to share it
+/// (then B is read in place, or widened into buf in row order if it is narrower storage than A).
 /// `next`: see gemm_nn.
-template <class A>
-void gemm_abt(index_t rows, index_t n, index_t depth, const A* a, index_t lda, const A* b,
+template <class A, class S>
+void gemm_abt(index_t rows, index_t n, index_t depth, const A* a, index_t lda, const S* b,
               index_t ldb, A* c, index_t ldc, A alpha, A* buf, const NextReads& next = {}) {
-  if (rows < kPackMinRows) return gemm_nt_few_rows<A>(rows, n, depth, a, lda, b, ldb, c, ldc, alpha);
+  if (rows < kPackMinRows) {
+    if constexpr (std::is_same_v<S, A>) {
+      return gemm_nt_few_rows<A>(rows, n, depth, a, lda, b, ldb, c, ldc, alpha);
+    } else {  // widened in row order: the same dot products as for float storage
+      pack_rows<A>(n, depth, b, ldb, buf, depth);
+      return gemm_nt_few_rows<A>(rows, n, depth, a, lda, buf, depth, c, ldc, alpha);
+    }
+  }
   pack_transposed<A>(n, depth, b, ldb, alpha, buf, n);
   gemm_nn<A>(rows, n, depth, a, lda, 1, buf, n, c, ldc, false, next);
 }
 
 /// C (+)= A (alpha B), B's `depth` rows of ncol values copied contiguous into `buf` (depth x ncol)
-/// first unless too few rows would read them (then read in place when alpha is 1). `next`: see
-/// gemm_nn.
-template <class A>
+/// first unless too few rows would read them (then read in place when alpha is 1 and B is not
+/// narrower storage than A). `next`: see gemm_nn.
+template <class A, class S>
 void gemm_ab(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
-             const A* b, index_t ldb, A* c, index_t ldc, bool accumulate, A* buf,
+             const S* b, index_t ldb, A* c, index_t ldc, bool accumulate, A* buf,
              A alpha = A(1), const NextReads& next = {}) {
-  if (rows < kPackMinRows && alpha == A(1))
-    return gemm_nn<A>(rows, ncol, depth, a, ars, acs, b, ldb, c, ldc, accumulate, next);
+  if constexpr (std::is_same_v<S, A>)
+    if (rows < kPackMinRows && alpha == A(1))
+      return gemm_nn<A>(rows, ncol, depth, a, ars, acs, b, ldb, c, ldc, accumulate, next);
   pack_rows<A>(depth, ncol, b, ldb, buf, ncol, alpha);
   gemm_nn<A>(rows, ncol, depth, a, ars, acs, buf, ncol, c, ldc, accumulate, next);
 }
