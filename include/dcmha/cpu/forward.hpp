@@ -85,11 +85,11 @@ template <class A>
 struct ForwardWorkspace : SlabLayout {
   index_t Bq = 0;
   A* panel = nullptr;          // [rank][tile][row][m][key], see SlabLayout
-  A* o_part = nullptr;         // [rank][m][row][Dv], when staged
-  // Outputs accumulate in o_part, then are written (summed over the team, rounded to the storage
-  // type) once per block: for teams of more than one thread and for narrow storage. Otherwise a
-  // thread accumulates straight into the caller's output.
-  bool staged = false;
+  // Outputs accumulate here, contiguous, and are written to the caller's tensor once per block
+  // (summed over a key-split team, rounded once for narrow storage). Accumulated tile after tile
+  // into the caller's rows, a page apart in the (B, T, H, D) layout, they had cost MHA's forward
+  // 5-7% (A/B at H32/D128/T2048: 0.948 and 0.932 of the time; DCMHA 0.97-1.01).
+  A* o_part = nullptr;         // [rank][m][row][Dv]
   Buffer<A> row_max, row_sum;  // [rank][m][row]
 
   /// Rows per query block. The panel's cache footprint does not matter (slabs do), only its
@@ -101,16 +101,15 @@ struct ForwardWorkspace : SlabLayout {
   /// Values of Workspace memory one team of team_size threads needs: whole cache lines, so that
   /// panels carved one after another from a block keep its alignment, which the order of the
   /// reductions over them depends on (Buffer, tile.hpp).
-  /// `narrow`: the storage type is narrower than A (outputs staged).
-  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask, int team_size, bool narrow) {
+  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
     ForwardWorkspace w;
-    w.layout(d, mask, team_size, narrow);
+    w.layout(d, mask, team_size);
     return round_up(w.panel_size(team_size) + w.o_part_size(d, team_size), 64 / index_t(sizeof(A)));
   }
 
   /// `memory`: memory_size() values, written before they are read.
-  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size, bool narrow, A* memory) {
-    layout(d, mask, team_size, narrow);
+  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size, A* memory) {
+    layout(d, mask, team_size);
     panel = memory;
     o_part = memory + panel_size(team_size);
     row_max.assign(team_size * d.M * Bq, A(0));
@@ -122,13 +121,12 @@ struct ForwardWorkspace : SlabLayout {
   /// A tile's slab, M x Bq x tile values, is produced and consumed while it is still in L2 (half
   /// of it). Sweeping the whole panel once per step instead made DCMHA memory-bound (tens of MiB
   /// at M = 32).
-  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size, bool narrow) {
+  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
     Bq = block_rows(d, mask);
-    staged = team_size > 1 || narrow;
     init_slabs<A>(d.M, Bq, 1, index_t(512) << 10, mask.max_block_keys(Bq), team_size);
   }
   index_t o_part_size(const detail::AttentionDims& d, int team_size) const {
-    return staged ? team_size * d.M * Bq * d.Dv : 0;
+    return team_size * d.M * Bq * d.Dv;
   }
 };
 
@@ -321,13 +319,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       }
 
     // Pass 2: tile factors, Compose_post, P'V.
-    // Unstaged (alone on the group, float storage), a thread accumulates straight into the
-    // caller's output.
-    const index_t ldo = ws.staged ? Dv : out.stride[2];
-    auto out_rows = [&](index_t m) -> A* {
-      if constexpr (narrow) return ws.o_part + (tid * M + m) * Bq * Dv;
-      else return ws.staged ? ws.o_part + (tid * M + m) * Bq * Dv : row_ptr(out, b, g * M + m, t0);
-    };
+    const index_t ldo = Dv;
+    auto out_rows = [&](index_t m) { return ws.o_part + (tid * M + m) * Bq * Dv; };
     for (index_t m = 0; m < M; ++m)
       for (index_t i = 0; i < nr; ++i) std::fill(out_rows(m) + i * ldo, out_rows(m) + i * ldo + Dv, A(0));
     for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
@@ -363,10 +356,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
         });
       }
     }
-    if (!ws.staged) continue;
     team.sync();
 
-    // Sum the partial outputs in thread order; each thread writes a share of the rows.
+    // Sum the partial outputs in thread order into the caller's rows; each thread writes a share.
     sum_team_parts<T, A>(team, ws.o_part, M, Bq, nr, Dv, out, b, g * M, t0);
   }
 }
@@ -387,7 +379,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   // Threads with a private panel each: one Workspace block for all of them, so that forward
   // and backward calls share (and keep) one buffer for their panels.
   constexpr bool narrow = !std::is_same_v<T, A>;
-  const index_t private_size = ForwardWorkspace<A>::memory_size(d, mask, 1, narrow);
+  const index_t private_size = ForwardWorkspace<A>::memory_size(d, mask, 1);
   detail::WorkspaceAccess::reserve_slots(mem, nt);
 
   if (independent_items(items, nt)) {
@@ -396,7 +388,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
 #pragma omp parallel num_threads(nt)
     {
       ForwardWorkspace<A> ws;
-      ws.init(d, mask, 1, narrow, panels + thread_id() * private_size);
+      ws.init(d, mask, 1, panels + thread_id() * private_size);
       ComposeSides<A> sides;
       sides.init(d, cw, ring);
       ForwardRows<A> rows(sides, ws, d, narrow);
@@ -420,7 +412,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
     {
       const Team team{thread_id(), team_size()};
       ForwardWorkspace<A> ws;
-      ws.init(d, mask, 1, narrow, panels + team.rank * private_size);
+      ws.init(d, mask, 1, panels + team.rank * private_size);
       ForwardRows<A> rows(sides, ws, d, narrow);
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
@@ -434,7 +426,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   }
   // Few rows (decoding, short prompts): the whole team shares each block's keys.
   ForwardWorkspace<A> ws;
-  ws.init(d, mask, nt, narrow, detail::WorkspaceAccess::shared<A>(mem, 0, ForwardWorkspace<A>::memory_size(d, mask, nt, narrow)));
+  ws.init(d, mask, nt, detail::WorkspaceAccess::shared<A>(mem, 0, ForwardWorkspace<A>::memory_size(d, mask, nt)));
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};
