@@ -172,7 +172,7 @@ struct Problem {
   double io_bytes() const {
     const auto vecs = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &dynw.data, &dynw_grad.data};
     double bytes = double(lse.size()) * sizeof(lse[0]);
-    for (const auto* x : vecs) bytes += double(x->size()) * sizeof(T);
+    for (const auto* x : vecs) bytes += double(x->size()) * sizeof(Scalar);
     return bytes;
   }
 };

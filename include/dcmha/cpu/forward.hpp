@@ -323,10 +323,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       }
 
     // Pass 2: tile factors, Compose_post, P'V.
-    const index_t ldo = Dv;
     auto out_rows = [&](index_t m) { return ws.o_part + (tid * M + m) * Bq * Dv; };
-    for (index_t m = 0; m < M; ++m)
-      for (index_t i = 0; i < nr; ++i) std::fill(out_rows(m) + i * ldo, out_rows(m) + i * ldo + Dv, A(0));
+    std::fill(out_rows(0), out_rows(M), A(0));
     for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
       const index_t ce = std::min(c1, cs + tw);
       A* slab = ws.slab_of(tid, tile);
@@ -355,7 +353,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
           gemm_ab<A>(nl, Dv, n, slab + lo * rs + m * tw + (s - cs), rs, 1, row_ptr(v, b, h / group_of_kv, p),
-                     v.stride[2], out_rows(m) + lo * ldo, ldo, true, kt, A(1),
+                     v.stride[2], out_rows(m) + lo * Dv, Dv, true, kt, A(1),
                      {next_rows(next_head(v, m, p), n, v.stride[2], Dv), {}});
         });
       }
