@@ -92,28 +92,35 @@ struct ForwardWorkspace : SlabLayout {
   A* o_part = nullptr;         // [rank][m][row][Dv]
   Buffer<A> row_max, row_sum;  // [rank][m][row]
 
-  /// Rows per query block. The panel's cache footprint does not matter (slabs do), only its
-  /// memory: 64 MiB. Up to 128 rows: DCMHA's query blocks read all M heads' K and V, from DRAM
-  /// once they outgrow L3, and 128-row blocks halve those passes (A/B against 64 rows, DCMHA
-  /// forward: H32/D128/T2048 0.897 and 0.933, H16/D64/T2048 0.938, T4096 0.963; T1024, where K
-  /// and V of all heads fit L3, 1.002 and 1.026; MHA 0.95-1.05). Long sequences stay below 64
-  /// rows (the budget: 56 at H16/T16384), so the memory case does not grow.
-  static index_t block_rows(const detail::AttentionDims& d, const RowMask& mask) {
-    return query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1, index_t(64) << 20, 128);
+  /// Rows per query block for a call on `threads` threads. The panel's cache footprint does not
+  /// matter (slabs do), only its memory: 64 MiB. Up to 128 rows: DCMHA's query blocks read all M
+  /// heads' K and V, from DRAM once they outgrow L3, and 128-row blocks halve those passes (A/B
+  /// against 64 rows, DCMHA forward: H32/D128/T2048 0.897 and 0.933, H16/D64/T2048 0.938, T4096
+  /// 0.963; MHA 0.95-1.05). But only with at least 8 blocks per thread and no window. With fewer
+  /// blocks it gained nothing or lost (H32/D128/T1024 1.002 and 1.026; H16/D64/T1024 51.8 against
+  /// 44.0 ms in the bench, where the threads share 8 causal blocks of unequal size; T512 fell
+  /// back to key-split teams), and a window of W keys makes every row of a block compute
+  /// W + Bq - 1 keys (window 256, T2048: 243 against 210 ms).
+  /// Long sequences stay below 64 rows (the budget: 56 at H16/T16384).
+  static index_t block_rows(const detail::AttentionDims& d, const RowMask& mask, int threads) {
+    const bool wide = mask.max_block_keys(128) == d.S && d.T >= 8 * 128 * index_t(threads);
+    return query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1, index_t(64) << 20,
+                               wide ? 128 : 64);
   }
 
   /// Values of Workspace memory one team of team_size threads needs: whole cache lines, so that
   /// panels carved one after another from a block keep its alignment, which the order of the
   /// reductions over them depends on (Buffer, tile.hpp).
-  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
+  /// `rows`: block_rows() of the call.
+  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask, int team_size, index_t rows) {
     ForwardWorkspace w;
-    w.layout(d, mask, team_size);
+    w.layout(d, mask, team_size, rows);
     return round_up(w.panel_size(team_size) + w.o_part_size(d, team_size), 64 / index_t(sizeof(A)));
   }
 
   /// `memory`: memory_size() values, written before they are read.
-  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size, A* memory) {
-    layout(d, mask, team_size);
+  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size, index_t rows, A* memory) {
+    layout(d, mask, team_size, rows);
     panel = memory;
     o_part = memory + panel_size(team_size);
     row_max.assign(team_size * d.M * Bq, A(0));
@@ -125,8 +132,8 @@ struct ForwardWorkspace : SlabLayout {
   /// A tile's slab, M x Bq x tile values, is produced and consumed while it is still in L2 (half
   /// of it). Sweeping the whole panel once per step instead made DCMHA memory-bound (tens of MiB
   /// at M = 32).
-  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
-    Bq = block_rows(d, mask);
+  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size, index_t rows) {
+    Bq = rows;
     init_slabs<A>(d.M, Bq, 1, index_t(512) << 10, mask.max_block_keys(Bq), team_size);
   }
   index_t o_part_size(const detail::AttentionDims& d, int team_size) const {
@@ -376,12 +383,12 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   const RowMask mask(cfg, d.T, d.S);
   const A scale = default_scale<A>(cfg.scale, d.D);
   const index_t items = d.B * d.G;
-  const index_t Bq = ForwardWorkspace<A>::block_rows(d, mask);
+  const index_t Bq = ForwardWorkspace<A>::block_rows(d, mask, nt);
   const index_t blocks = (d.T + Bq - 1) / Bq;
   // Threads with a private panel each: one Workspace block for all of them, so that forward
   // and backward calls share (and keep) one buffer for their panels.
   constexpr bool narrow = !std::is_same_v<T, A>;
-  const index_t private_size = ForwardWorkspace<A>::memory_size(d, mask, 1);
+  const index_t private_size = ForwardWorkspace<A>::memory_size(d, mask, 1, Bq);
   detail::WorkspaceAccess::reserve_slots(mem, nt);
 
   if (independent_items(items, nt)) {
@@ -390,7 +397,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
 #pragma omp parallel num_threads(nt)
     {
       ForwardWorkspace<A> ws;
-      ws.init(d, mask, 1, panels + thread_id() * private_size);
+      ws.init(d, mask, 1, Bq, panels + thread_id() * private_size);
       ComposeSides<A> sides;
       sides.init(d, cw, ring);
       ForwardRows<A> rows(sides, ws, d, narrow);
@@ -414,7 +421,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
     {
       const Team team{thread_id(), team_size()};
       ForwardWorkspace<A> ws;
-      ws.init(d, mask, 1, panels + team.rank * private_size);
+      ws.init(d, mask, 1, Bq, panels + team.rank * private_size);
       ForwardRows<A> rows(sides, ws, d, narrow);
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / d.G, g = it % d.G;
@@ -428,7 +435,7 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   }
   // Few rows (decoding, short prompts): the whole team shares each block's keys.
   ForwardWorkspace<A> ws;
-  ws.init(d, mask, nt, detail::WorkspaceAccess::shared<A>(mem, 0, ForwardWorkspace<A>::memory_size(d, mask, nt)));
+  ws.init(d, mask, nt, Bq, detail::WorkspaceAccess::shared<A>(mem, 0, ForwardWorkspace<A>::memory_size(d, mask, nt, Bq)));
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};
