@@ -116,6 +116,11 @@ TYPED_TEST(AttentionVsReference, QueryBlockEdges) {
     s.B = 1; s.H = 2; s.Hk = 1; s.T = T; s.S = T; s.D = 4; s.Dv = 4; s.G = 1; s.Rq = 1; s.Rk = 2;
     s.causal = true;
     s.pre = s.post = SideSpec::dynamic();
+    dcmha::detail::AttentionDims d;
+    d.B = 1; d.H = d.M = 2; d.Hk = d.G = 1; d.T = d.S = T; d.D = d.Dv = 4;
+    dcmha::AttentionConfig cfg;
+    ASSERT_EQ(dcmha::cpu::ForwardWorkspace<float>::block_rows(d, dcmha::cpu::RowMask(cfg, T, T), threads), 128)
+        << "this case is meant to run 128-row blocks";
     check_against_reference<TypeParam>(s, T, threads);
   }
 }
@@ -467,6 +472,11 @@ TEST(Bf16Storage, TileEdgesAreTheRoundedFloatResults) {
       for (int threads : {1, 2}) check_bf16_is_rounded_float(s, uint64_t(T * 1000 + S), threads, Layout::bthd);
     }
   }
+  ProblemSpec wide;  // one item, whole query blocks per thread, 128-row blocks (QueryBlockEdges)
+  wide.B = 1; wide.H = 4; wide.Hk = 2; wide.G = 1; wide.T = 2049; wide.S = 2049; wide.D = 8; wide.Dv = 8;
+  wide.causal = true;
+  wide.pre = wide.post = SideSpec::dynamic();
+  check_bf16_is_rounded_float(wide, 6, 2);
   ProblemSpec many;  // many groups: each thread takes whole (batch, group) items
   many.B = 2; many.H = 8; many.Hk = 8; many.G = 4; many.T = 70; many.S = 70; many.D = 16; many.Dv = 16;
   many.causal = true;

@@ -103,7 +103,7 @@ struct ForwardWorkspace : SlabLayout {
   /// W + Bq - 1 keys (window 256, T2048: 243 against 210 ms).
   /// Long sequences stay below 64 rows (the budget: 56 at H16/T16384).
   static index_t block_rows(const detail::AttentionDims& d, const RowMask& mask, int threads) {
-    const bool wide = mask.max_block_keys(128) == d.S && d.T >= 8 * 128 * index_t(threads);
+    const bool wide = mask.window == 0 && d.T >= 8 * 128 * index_t(threads);
     return query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1, index_t(64) << 20,
                                wide ? 128 : 64);
   }
@@ -268,7 +268,10 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       A* slab = ws.slab_of(tid, tile);  // slab[i * rs + m * tw + (s - cs)] holds key s
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
-        const auto [qm, ldq] = q_rows(m);
+        // Plain locals, not a structured binding: C++17 lambdas cannot capture those (Clang <= 15).
+        const std::pair<const A*, index_t> qr = q_rows(m);
+        const A* qm = qr.first;
+        const index_t ldq = qr.second;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
           gemm_abt<A>(nl, n, d.D, qm, ldq, row_ptr(k, b, h / group_of_kv, p),
                       k.stride[2], slab + lo * rs + m * tw + (s - cs), rs, scale, kt,
