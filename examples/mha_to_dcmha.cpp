@@ -4,7 +4,9 @@
 // QKV projection produces, and are handed to dcmha through bthd() views without any copy.
 // The program runs the attention core twice on the same inputs, once as plain MHA and once
 // with compose weights computed by the dynamic weight projection, then the backward pass of
-// both (for DCMHA through the projection too), and prints how far apart they are.
+// both (for DCMHA through the projection too), and prints how far apart they are. Last, the
+// same DCMHA step with bf16 activations (the official checkpoints' type), the projection kept
+// in float.
 //
 // Build: part of the dcmha tree (target mha_to_dcmha), or copy it next to a project that does
 // find_package(dcmha) and links dcmha::dcmha.
@@ -38,6 +40,23 @@ double rms(const std::vector<float>& a) {
   double s = 0.0;
   for (float x : a) s += double(x) * x;
   return std::sqrt(s / double(a.size()));
+}
+
+std::vector<dcmha::bf16> to_bf16(const std::vector<float>& a) {
+  std::vector<dcmha::bf16> r(a.size());
+  for (std::size_t i = 0; i < a.size(); ++i) r[i] = dcmha::bf16(a[i]);
+  return r;
+}
+
+std::vector<float> to_float(const std::vector<dcmha::bf16>& a) {
+  return std::vector<float>(a.begin(), a.end());
+}
+
+/// max |a - b| / max |b|.
+double rel_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0.0;
+  for (float x : b) m = std::max(m, double(std::fabs(x)));
+  return max_abs_diff(a, b) / std::max(m, 1e-30);
 }
 
 bool all_finite(const std::vector<float>& a) {
@@ -104,6 +123,15 @@ int main() {
   dcmha::DynamicWeightsStorage<float> dynw_grad(B, T, G, R, M);
   const dcmha::DynamicWeights<float> ddw = dynw_grad.views();
 
+  // bf16 storage: the same DCMHA step on bf16 activations. The projection runs in float (it is
+  // float / double only): its twelve outputs are rounded into bf16 storage for the core, and the
+  // core's gradients of them widened back for the projection's backward.
+  const auto q16 = to_bf16(q), k16 = to_bf16(k), v16 = to_bf16(v), dout16 = to_bf16(dout);
+  std::vector<dcmha::bf16> o16(n_act), dq16(n_act), dk16(n_act), dv16(n_act);
+  std::vector<float> lse16(n_lse);
+  dcmha::DynamicWeightsStorage<dcmha::bf16> dynw16(B, T, G, R, M), dynw16_grad(B, T, G, R, M);
+  auto act16 = [&](auto& buf) { return dcmha::bthd(buf.data(), B, T, H, D); };
+
   // Gradients of the projection's input and parameters.
   std::vector<float> dx(x.size()), g_dw1(p_dw1.size()), g_qkw(p_qkw.size()), g_dd(p_dd.size());
   dcmha::DynamicWeightProjectionGrads<float> dproj;
@@ -135,6 +163,16 @@ int main() {
     // ...which carries the gradient on to x and the projection parameters.
     dcmha::dynamic_weights_backward(pcfg, X, proj, proj_act, ddw,
                                     dcmha::view<3>(dx.data(), {B, T, E}), dproj);
+
+    // ---- DCMHA with bf16 activations --------------------------------------------------------
+    dynw16.data = to_bf16(dynw.data);
+    const dcmha::ComposeWeights<dcmha::bf16> compose16 = dcmha::compose_weights<dcmha::bf16>(dynw16.views());
+    dcmha::forward(cfg, act16(q16), act16(k16), act16(v16), act16(o16),
+                   dcmha::view<3>(lse16.data(), {B, H, T}), compose16, workspace);
+    dcmha::backward(cfg, act16(q16), act16(k16), act16(v16), dcmha::view<3>(lse16.data(), {B, H, T}),
+                    act16(dout16), act16(dq16), act16(dk16), act16(dv16), compose16,
+                    dcmha::compose_grads(dynw16_grad.views()), workspace);
+    // to_float(dynw16_grad.data) is what dynamic_weights_backward would take next, as above.
   } catch (const dcmha::Error& e) {  // invalid argument: shapes, strides, switches
     std::fprintf(stderr, "dcmha rejected an argument: %s\n", e.what());
     return 1;
@@ -158,6 +196,19 @@ int main() {
               max_abs_diff(dq_mha, dq_dc), max_abs_diff(dk_mha, dk_dc), max_abs_diff(dv_mha, dv_dc));
   std::printf("rms: dynamic weights %.5f  their grads %.5f  dx %.5f  d dw1 %.5f\n",
               rms(dynw.data), rms(dynw_grad.data), rms(dx), rms(g_dw1));
+
+  // bf16 against float: bf16 keeps 8 significant bits, so the inputs' rounding (2^-9 relative)
+  // and the results' own give differences of a few 2^-8 relative; a broken kernel gives O(1).
+  const double bf16_out = rel_diff(to_float(o16), o_dc), bf16_dq = rel_diff(to_float(dq16), dq_dc),
+               bf16_dk = rel_diff(to_float(dk16), dk_dc), bf16_dv = rel_diff(to_float(dv16), dv_dc),
+               bf16_dw = rel_diff(to_float(dynw16_grad.data), dynw_grad.data);
+  std::printf("bf16 against float (max|diff| / max|float|): out %.4f  dq %.4f  dk %.4f  dv %.4f  "
+              "d(dynamic weights) %.4f\n", bf16_out, bf16_dq, bf16_dk, bf16_dv, bf16_dw);
+  for (double e : {bf16_out, bf16_dq, bf16_dk, bf16_dv, bf16_dw})
+    if (!(e < 0.05)) {
+      std::fprintf(stderr, "bf16 results differ from float by more than bf16 precision explains\n");
+      return 1;
+    }
 
   for (const auto* t : {&o_mha, &o_dc, &dq_mha, &dk_mha, &dv_mha, &dq_dc, &dk_dc, &dv_dc,
                         &dynw_grad.data, &dx, &g_dw1, &g_qkw, &g_dd}) {
