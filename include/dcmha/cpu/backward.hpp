@@ -104,10 +104,9 @@ struct BackwardWorkspace : SlabLayout {
   ComposeSide<A> pre, post;
   ComposeKeyGrads<A> pre_kg, post_kg;
   A *Lp = nullptr, *Pp = nullptr, *dPp = nullptr;  // [rank][tile][row][m][key], see SlabLayout
-  A* dq_part = nullptr;  // [rank][m][row][D], when staged
-  // dQ accumulates in dq_part and is written (summed over the team, rounded to the storage type)
-  // once per block: for teams of more than one thread and for narrow storage.
-  bool staged = false;
+  // dQ accumulates here and is written to the caller once per block (summed over a key-split
+  // team, rounded once for narrow storage), as the forward's output does.
+  A* dq_part = nullptr;  // [rank][m][row][D]
   Buffer<A> d_part;      // [rank][m][row]
   // Two sets, alternating by block: a thread may start the next block while others still sum
   // this block's query-wise gradients.
@@ -119,7 +118,7 @@ struct BackwardWorkspace : SlabLayout {
   static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask,
                              const ComposeWeights<T>& cw, int team_size) {
     BackwardWorkspace w;
-    w.layout(d, mask, team_size, !std::is_same_v<T, A>);
+    w.layout(d, mask, team_size);
     return round_up((cw.pre.enabled() ? 3 : 2) * w.panel_size(team_size) + w.dq_part_size(d, team_size),
                     64 / index_t(sizeof(A)));
   }
@@ -129,7 +128,7 @@ struct BackwardWorkspace : SlabLayout {
   void init(const detail::AttentionDims& d, const RowMask& mask, const ComposeWeights<T>& cw,
             int team_size, A* memory) {
     const index_t M = d.M;
-    layout(d, mask, team_size, !std::is_same_v<T, A>);
+    layout(d, mask, team_size);
     pre.init(cw.pre, M, padded_stride<A>(d.S));  // key-wise terms of every key
     post.init(cw.post, M, padded_stride<A>(d.S));
     if (pre.has_k) pre_kg.init(pre);
@@ -148,9 +147,8 @@ struct BackwardWorkspace : SlabLayout {
   A* slab_of(A* panel, int rank, index_t t) { return panel + slab_offset(rank, t); }
 
  private:
-  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size, bool narrow) {
+  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
     const index_t M = d.M;
-    staged = team_size > 1 || narrow;
     // One team shares the three panels, so they get a larger budget than one forward panel.
     Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(64)), d.T, 3, index_t(48) << 20);
     // Keys per tile: the tile's slabs of the three panels (3 x M x Bq x tile values) are
@@ -159,7 +157,7 @@ struct BackwardWorkspace : SlabLayout {
     init_slabs<A>(M, Bq, 3, index_t(1024) << 10, mask.max_block_keys(Bq), team_size);
   }
   index_t dq_part_size(const detail::AttentionDims& d, int team_size) const {
-    return staged ? team_size * d.M * Bq * d.D : 0;
+    return team_size * d.M * Bq * d.D;
   }
 };
 
@@ -320,15 +318,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         for (int j = 0; j < nth; ++j) Dm += ws.d_part[(j * M + m) * Bq + i];
         row_d[i * M + m] = Dm;
       }
-    // Unstaged (alone on the group, float storage), a thread writes straight to the caller's gradient.
-    auto dq_rows = [&](index_t m) -> A* {
-      if constexpr (!std::is_same_v<T, A>) return ws.dq_part + (tid * M + m) * Bq * D;
-      else return ws.staged ? ws.dq_part + (tid * M + m) * Bq * D : row_ptr(dq, b, g * M + m, t0);
-    };
-    const index_t ldq = ws.staged ? D : dq.stride[2];
+    auto dq_rows = [&](index_t m) { return ws.dq_part + (tid * M + m) * Bq * D; };
     for (index_t m = 0; m < M; ++m)
       for (index_t i = 0; i < nr; ++i)
-        if (c1 == c0 || i < lo || i >= hi) std::fill(dq_rows(m) + i * ldq, dq_rows(m) + i * ldq + D, A(0));
+        if (c1 == c0 || i < lo || i >= hi) std::fill(dq_rows(m) + i * D, dq_rows(m) + (i + 1) * D, A(0));
     for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
       const index_t ce = std::min(c1, cs + tw), n = ce - cs;
       A* Ps = ws.slab_of(ws.Pp, tid, tile);
@@ -377,7 +370,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           next = {next_rows(row_ptr(k, b, (g * M + m + 1) / group_of_kv, c0), nn, k.stride[2], D),
                   next_rows(ws.slab_of(ws.dPp, tid, 0) + lo * rs + (m + 1) * tw, nl, rs, nn)};
         }
-        gemm_ab<A>(nl, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows(m) + lo * ldq, ldq, cs > c0,
+        gemm_ab<A>(nl, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows(m) + lo * D, D, cs > c0,
                    kbuf, scale, next);
       }
     }
@@ -386,7 +379,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     // 3. Sum dQ and the query-wise gradients over the team, a share of the rows each.
     index_t r0, r1;
     split_range(0, nr, tid, nth, 1, r0, r1);
-    if (ws.staged) sum_team_parts<T, A>(team, ws.dq_part, M, Bq, nr, D, dq, b, g * M, t0);
+    sum_team_parts<T, A>(team, ws.dq_part, M, Bq, nr, D, dq, b, g * M, t0);
     for (index_t i = r0; i < r1; ++i) {
       store_row_grads(pre, ws.pre_rg.data() + set, Bq, nth, i, dcw.pre, b, t0 + i, g);
       store_row_grads(post, ws.post_rg.data() + set, Bq, nth, i, dcw.post, b, t0 + i, g);

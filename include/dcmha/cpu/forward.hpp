@@ -257,10 +257,6 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       if (c1 > c0)
         for (index_t m = 0; m < M; ++m)
           pack_rows<A>(nl, d.D, row_ptr(q, b, g * M + m, t0 + lo), q.stride[2], rows.q.data() + (m * Bq + lo) * d.D, d.D);
-    auto q_rows = [&](index_t m) -> std::pair<const A*, index_t> {
-      if constexpr (narrow) return {rows.q.data() + (m * Bq + lo) * d.D, d.D};
-      else return {row_ptr(q, b, g * M + m, t0 + lo), q.stride[2]};
-    };
 
     // Pass 1: scores, Compose_pre, exponentials against the running maximum.
     for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
@@ -268,10 +264,15 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       A* slab = ws.slab_of(tid, tile);  // slab[i * rs + m * tw + (s - cs)] holds key s
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
-        // Plain locals, not a structured binding: C++17 lambdas cannot capture those (Clang <= 15).
-        const std::pair<const A*, index_t> qr = q_rows(m);
-        const A* qm = qr.first;
-        const index_t ldq = qr.second;
+        const A* qm;
+        index_t ldq;
+        if constexpr (narrow) {
+          qm = rows.q.data() + (m * Bq + lo) * d.D;
+          ldq = d.D;
+        } else {
+          qm = row_ptr(q, b, h, t0 + lo);
+          ldq = q.stride[2];
+        }
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
           gemm_abt<A>(nl, n, d.D, qm, ldq, row_ptr(k, b, h / group_of_kv, p),
                       k.stride[2], slab + lo * rs + m * tw + (s - cs), rs, scale, kt,

@@ -78,9 +78,10 @@ inline bool independent_items(index_t items, int threads) {
 }
 
 /// out[b, h0 + m, t0 + i, :] = the sum over team ranks j, in rank order, of
-/// parts[((j * M + m) * rows_cap + i) * width + e]: the partial products of a key-split team (or
-/// one thread's staged rows, for narrow storage). Each thread writes a share of the rows, so the
-/// result is deterministic for a fixed team size. Narrow storage: summed in A, rounded once.
+/// parts[((j * M + m) * rows_cap + i) * width + e]: the partial products of a key-split team, or
+/// one thread's staged rows. Each thread writes a share of the rows, so the result is
+/// deterministic for a fixed team size. Summed in A (into rank 0's row, which no other thread
+/// reads again for this block), written to the caller once, rounded if T is narrower.
 template <class T, class A>
 void sum_team_parts(const Team& team, A* parts, index_t M, index_t rows_cap, index_t rows,
                     index_t width, const TensorView<T, 4>& out, index_t b, index_t h0, index_t t0) {
@@ -88,22 +89,12 @@ void sum_team_parts(const Team& team, A* parts, index_t M, index_t rows_cap, ind
   split_range(0, rows, team.rank, team.size, 1, r0, r1);
   for (index_t m = 0; m < M; ++m)
     for (index_t i = r0; i < r1; ++i) {
-      T* o = row_ptr(out, b, h0 + m, t0 + i);
       A* p0 = parts + (m * rows_cap + i) * width;
-      if constexpr (std::is_same_v<T, A>) {
-        for (index_t e = 0; e < width; ++e) o[e] = p0[e];
-        for (int j = 1; j < team.size; ++j) {
-          const A* pj = parts + ((j * M + m) * rows_cap + i) * width;
-          for (index_t e = 0; e < width; ++e) o[e] += pj[e];
-        }
-      } else {
-        // Rank 0's row is this call's to sum into: no other thread reads it again.
-        for (int j = 1; j < team.size; ++j) {
-          const A* pj = parts + ((j * M + m) * rows_cap + i) * width;
-          for (index_t e = 0; e < width; ++e) p0[e] += pj[e];
-        }
-        narrow_row(p0, o, width);
+      for (int j = 1; j < team.size; ++j) {
+        const A* pj = parts + ((j * M + m) * rows_cap + i) * width;
+        for (index_t e = 0; e < width; ++e) p0[e] += pj[e];
       }
+      narrow_row(p0, row_ptr(out, b, h0 + m, t0 + i), width);
     }
 }
 
