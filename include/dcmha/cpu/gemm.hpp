@@ -79,14 +79,21 @@ inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index
 }
 
 /// Every vector column of RB rows of C += A B; returns the first column left for scalar code.
+/// `c_next`: the next row block's first C row (next_rows rows, null for none), whose columns are
+/// asked for strip by strip as this block reaches them.
 template <class A, int RB>
 inline index_t nn_row_block(index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
-                            const A* b, index_t ldb, A* c, index_t ldc) {
+                            const A* b, index_t ldb, A* c, index_t ldc, const A* c_next, index_t next_rows) {
   constexpr int L = Simd<A>::L;
   index_t j = 0;
-  for (; j + kNnCols * L <= ncol; j += kNnCols * L)
+  for (; j + kNnCols * L <= ncol; j += kNnCols * L) {
+    if (c_next) prefetch_rows(c_next + j, next_rows, ldc, kNnCols * L * index_t(sizeof(A)));
     nn_block<A, RB, kNnCols>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
-  for (; j + L <= ncol; j += L) nn_block<A, RB, 1>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
+  }
+  for (; j + L <= ncol; j += L) {
+    if (c_next) prefetch_rows(c_next + j, next_rows, ldc, L * index_t(sizeof(A)));
+    nn_block<A, RB, 1>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
+  }
   return j;
 }
 #endif
@@ -206,17 +213,22 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
   if (accumulate) {
     // Accumulated C rows are often far apart (the caller's dK, dV rows: 16 KiB at H32/D128) and
     // out of cache. Row blocks outer: each C row is read and written once, as one contiguous
-    // run, and the next block's rows are asked for a whole block ahead. Column strips outer
-    // read each row as one cache line per strip, a short-distance prefetch each: the backward's
-    // dK and dV products ran 1.6x slower than MHA's that way (measured per phase).
+    // run, and the next block's rows are asked for a block ahead, strip by strip as this block
+    // reaches the same columns (nn_row_block). Column strips outer read each row as one cache
+    // line per strip, a short-distance prefetch each: the backward's dK and dV products ran 1.6x
+    // slower than MHA's that way (measured per phase). Asking for the next block's whole rows at
+    // once (48 lines at D = 128) stalled on the prefetches themselves once the DCMHA forward's
+    // per-thread outputs (M x Bq x Dv values, 2 MiB at H32/D128) outgrew L2: 2.8% of its samples
+    // on them; strip by strip, A/B of the DCMHA forward at H32/D128/T2048 0.97, 0.94, 0.94, 0.99.
     constexpr int RB = kNnRows;
     const index_t bytes = ncol * index_t(sizeof(A));
     prefetch_rows(c, std::min<index_t>(rows, RB), ldc, bytes);
     SpreadPrefetch ahead(next, (rows + RB - 1) / RB);
     for (index_t i = 0; i < rows; i += RB, ahead.step()) {
-      if (i + RB < rows) prefetch_rows(c + (i + RB) * ldc, std::min<index_t>(RB, rows - i - RB), ldc, bytes);
+      const index_t next = std::min<index_t>(RB, std::max<index_t>(rows - i - RB, 0));
       with_row_count(std::min<index_t>(RB, rows - i), [&](auto rb) {
-        j = nn_row_block<A, decltype(rb)::value>(ncol, depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc);
+        j = nn_row_block<A, decltype(rb)::value>(ncol, depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc,
+                                                 next > 0 ? c + (i + RB) * ldc : nullptr, next);
       });
     }
   } else {
