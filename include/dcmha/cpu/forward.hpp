@@ -174,7 +174,7 @@ struct ForwardRows {
   Buffer<A> scratch;
   Buffer<A> inv_sum;   // [row][m]: 1 / softmax denominator
   Buffer<A> final_max; // [row][m]: the row maximum over all of its keys
-  Buffer<A> tile_max;  // [tile][m][row]: the running maximum tile's exponentials were taken at
+  Buffer<A> tile_max;  // [tile][row][m]: the running maximum tile's exponentials were taken at
   Buffer<A> scale;     // [row][m]: what turns one tile's exponentials into probabilities
   Buffer<A> kt;        // one key tile of K (transposed, scaled) or of V, packed contiguous
   Buffer<A> q;         // narrow storage: a block's Q rows of every head, widened ([m][row][D])
@@ -309,7 +309,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
             e = (e - mx).exp();
             sum += e.sum();
           }
-          tmax[m * Bq + i] = mx;
+          tmax[i * M + m] = mx;
           // Keys of the tile this row does not see are exactly 0, for Compose_post and P'V.
           for (index_t s = cs; s < std::min(vb, ce); ++s) row[s] = A(0);
           for (index_t s = std::max(ve, cs); s < ce; ++s) row[s] = A(0);
@@ -340,11 +340,14 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       const index_t ce = std::min(c1, cs + tw);
       A* slab = ws.slab_of(tid, tile);
       const A* tmax = tile_max + tile * M * Bq;
-      for (index_t i = 0; i < nr; ++i)
-        for (index_t m = 0; m < M; ++m) {
-          const A tm = tmax[m * Bq + i];
-          tile_scale[i * M + m] = tm == kNegInf ? A(0) : std::exp(tm - final_max[i * M + m]) * inv_sum[i * M + m];
-        }
+      // One factor per row and head, vectorized (a scalar exp each: about 2% of the DCMHA
+      // forward's samples at 32-key tiles, perf). No keys seen yet (tm = -inf) gives 0, also
+      // where the row sees none at all (tm - final max would be NaN there).
+      {
+        using Row = Eigen::Map<const Eigen::Array<A, Eigen::Dynamic, 1>>;
+        const Row tm(tmax, nr * M), fm(final_max, nr * M), inv(inv_sum, nr * M);
+        Segment<A>(tile_scale, nr * M) = (tm == kNegInf).select(A(0), (tm - fm).exp() * inv);
+      }
       if (post.on) {
         for (index_t s = cs; s < ce; s += kChunk) {
           const int n = int(std::min<index_t>(kChunk, ce - s));
