@@ -263,11 +263,9 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       if (pre.on)
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
-          for (index_t i = lo; i < hi; ++i) {
-            if (i + 1 < hi) prefetch_rows(Ls + (i + 1) * rs + (s - cs), M, tw, nc * index_t(sizeof(A)));
+          for (index_t i = lo; i < hi; ++i)
             pre_fn(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, Ps + i * rs + (s - cs), tw,
-                   nullptr, scratch.data());
-          }
+                   nullptr, scratch.data(), i + 1 < hi ? Ls + (i + 1) * rs + (s - cs) : nullptr);
         }
       for (index_t i = 0; i < nr; ++i) {
         const KeyRange r = mask.row(b, t0 + i);
@@ -289,7 +287,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i)
             post_fn(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, ptile + i * rs + (s - cs),
-                    tw, nullptr, scratch.data());
+                    tw, nullptr, scratch.data(), nullptr);
         }
       for (index_t m = 0; m < M; ++m)
         gemm_nn<A>(n, Dv, nl, Pt + lo * rs + m * tw, 1, rs, oall + (m * Bq + lo) * Dv, Dv,

@@ -286,10 +286,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
           for (index_t i = lo; i < hi; ++i) {
             A* p = slab + i * rs + (s - cs);
             // The products wrote the slab head by head, streaming Q and K past it: much of it has
-            // left L2 by now (perf: without this, Compose waited on these loads for about half
-            // of its samples; 39% with it).
-            if (i + 1 < hi) prefetch_rows(p + rs, M, tw, n * index_t(sizeof(A)));
-            pre_fn(pre, pre_rows[i], s, n, p, tw, p, tw, nullptr, scratch);
+            // left L2 by now, so Compose asks for the next row as it goes (perf: without that,
+            // Compose waited on these loads for about half of its samples).
+            pre_fn(pre, pre_rows[i], s, n, p, tw, p, tw, nullptr, scratch, i + 1 < hi ? p + rs : nullptr);
           }
         }
       A* tmax = tile_max + tile * M * Bq;
@@ -354,8 +353,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
           for (index_t i = lo; i < hi; ++i) {
             A* p = slab + i * rs + (s - cs);
             // The slab was written in pass 1, long enough ago to have left the cache.
-            if (i + 1 < hi) prefetch_rows(p + rs, M, tw, n * index_t(sizeof(A)));
-            post_fn(post, post_rows[i], s, n, p, tw, p, tw, tile_scale + i * M, scratch);
+            post_fn(post, post_rows[i], s, n, p, tw, p, tw, tile_scale + i * M, scratch,
+                    i + 1 < hi ? p + rs : nullptr);
           }
         }
       } else {
