@@ -297,9 +297,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
             A* gp = dPs + i * rs + (s - cs);
-            if (i + 1 < hi) prefetch_rows(gp + rs, M, tw, nc * index_t(sizeof(A)));
             post_bwd(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, gp, tw, gp, tw, my_post_rg[i],
-                     ws.post_kg, dw_post, scratch.data());
+                     ws.post_kg, dw_post, scratch.data(), i + 1 < hi ? gp + rs : nullptr, tw);
           }
         }
       }
@@ -327,11 +326,11 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       A* dPs = ws.slab_of(ws.dPp, tid, tile);
       // The slabs were written in pass 1, long enough ago to have left the cache.
       for (index_t i = lo; i < hi; ++i) {
-        if (i + 1 < hi) {
-          prefetch_rows(Ps + (i + 1) * rs, M, tw, n * index_t(sizeof(A)));
-          prefetch_rows(dPs + (i + 1) * rs, M, tw, n * index_t(sizeof(A)));
-        }
         for (index_t m = 0; m < M; ++m) {
+          if (i + 1 < hi) {  // the next row's, head by head (in one burst per row they stalled)
+            prefetch_bytes(Ps + (i + 1) * rs + m * tw, n * index_t(sizeof(A)));
+            prefetch_bytes(dPs + (i + 1) * rs + m * tw, n * index_t(sizeof(A)));
+          }
           Segment<A> dp(dPs + i * rs + m * tw, n);
           dp = Segment<A>(Ps + i * rs + m * tw, n) * (dp - row_d[i * M + m]);
         }
@@ -341,9 +340,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
             A* gp = dPs + i * rs + (s - cs);
-            if (i + 1 < hi) prefetch_rows(Ls + (i + 1) * rs + (s - cs), M, tw, nc * index_t(sizeof(A)));
             pre_bwd(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, gp, tw, gp, tw, my_pre_rg[i],
-                    ws.pre_kg, dw_pre, scratch.data());
+                    ws.pre_kg, dw_pre, scratch.data(), i + 1 < hi ? Ls + (i + 1) * rs + (s - cs) : nullptr, tw);
           }
         }
       for (index_t m = 0; m < M; ++m)

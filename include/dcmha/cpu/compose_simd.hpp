@@ -110,12 +110,15 @@ void compose_chunk_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, in
 /// accumulators (5 KiB a row at M = 32, Rq = 2) for a block's rows did not stay in cache, and the
 /// post side's transpose waited on them (-25% of its time with them reduced here, measured per
 /// phase). Column blocks outer instead of heads outer keeps the hidden vectors out of the stack
-/// (-10%, microbenchmark).
+/// (-10%, microbenchmark). `next`: the next row of one of the inputs (head stride next_hs, null
+/// for none), asked for a line per head as this row reaches the same columns
+/// (compose_chunk_registers).
 template <class A, int RQ, int RK>
 void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s,
                                       int n, const A* a, index_t a_hs, const A* gp, index_t gp_hs,
                                       A* g, index_t g_hs, ComposeRowGrads<A>& rg,
-                                      ComposeKeyGrads<A>& kg, A* dw, A* scratch) {
+                                      ComposeKeyGrads<A>& kg, A* dw, A* scratch, const A* next,
+                                      index_t next_hs) {
   using V = typename Simd<A>::V;
   constexpr int L = Simd<A>::L;
   constexpr int RQ1 = RQ > 0 ? RQ : 1, RK1 = RK > 0 ? RK : 1;
@@ -136,6 +139,7 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
     const index_t j = jb * L;
     V hq[RQ1] = {}, eq[RQ1] = {}, hk[RK1] = {}, ek[RK1] = {};
     for (index_t m = 0; m < M; ++m) {
+      if (next) prefetch_bytes(next + m * next_hs + j, L * index_t(sizeof(A)));
       const V av = vload(a + m * a_hs + j), gv = vload(gp + m * gp_hs + j);
       for (int r = 0; r < RQ; ++r) {
         hq[r] += av * qw1[r * M + m];
@@ -175,9 +179,11 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
   }
   if (RQ && nb > 0) add_lane_sums(lanes1, (2 * RQ + 1) * M, rg.sums.data());
   const int j = nb * L;
-  if (j < n)
+  if (j < n) {
+    if (next) prefetch_rows(next + j, M, next_hs, (n - j) * index_t(sizeof(A)));
     compose_chunk_backward(c, q, s + j, n - j, a + j, a_hs, gp + j, gp_hs, g + j, g_hs, rg, kg, dw,
                            scratch);
+  }
 }
 #endif
 
@@ -186,8 +192,8 @@ template <class A>
 struct ComposeBackwardFn {
   using Fn = void (*)(const ComposeSide<A>&, const ComposeRow<A>&, index_t, int, const A*, index_t,
                       const A*, index_t, A*, index_t, ComposeRowGrads<A>&, ComposeKeyGrads<A>&, A*,
-                      A*);
-  Fn fn = &compose_chunk_backward<A>;
+                      A*, const A*, index_t);
+  Fn fn = &generic;
 
   explicit ComposeBackwardFn(const ComposeSide<A>& c) {
 #ifdef DCMHA_HAS_VECTOR_EXTENSIONS
@@ -202,6 +208,13 @@ struct ComposeBackwardFn {
   }
 
  private:
+  static void generic(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s, int n, const A* a,
+                      index_t a_hs, const A* gp, index_t gp_hs, A* g, index_t g_hs,
+                      ComposeRowGrads<A>& rg, ComposeKeyGrads<A>& kg, A* dw, A* scratch,
+                      const A* next, index_t next_hs) {
+    if (next) prefetch_rows(next, c.M, next_hs, n * index_t(sizeof(A)));
+    compose_chunk_backward(c, q, s, n, a, a_hs, gp, gp_hs, g, g_hs, rg, kg, dw, scratch);
+  }
 #ifdef DCMHA_HAS_VECTOR_EXTENSIONS
   static constexpr Fn table[4][4] = {
       {&compose_chunk_backward_registers<A, 0, 0>, &compose_chunk_backward_registers<A, 0, 1>,
