@@ -79,21 +79,22 @@ inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index
 }
 
 /// Every vector column of RB rows of C += A B; returns the first column left for scalar code.
-/// `c_next`: the next row block's first C row (next_rows rows, null for none), whose columns are
-/// asked for strip by strip as this block reaches them.
+/// `c_next`: the next row block's first C row (next_count rows, null for none), whose columns
+/// are asked for strip by strip as this block reaches them.
 template <class A, int RB>
 inline index_t nn_row_block(index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
-                            const A* b, index_t ldb, A* c, index_t ldc, const A* c_next, index_t next_rows) {
+                            const A* b, index_t ldb, A* c, index_t ldc, const A* c_next, index_t next_count) {
   constexpr int L = Simd<A>::L;
   index_t j = 0;
   for (; j + kNnCols * L <= ncol; j += kNnCols * L) {
-    if (c_next) prefetch_rows(c_next + j, next_rows, ldc, kNnCols * L * index_t(sizeof(A)));
+    if (c_next) prefetch_rows(c_next + j, next_count, ldc, kNnCols * L * index_t(sizeof(A)));
     nn_block<A, RB, kNnCols>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
   }
   for (; j + L <= ncol; j += L) {
-    if (c_next) prefetch_rows(c_next + j, next_rows, ldc, L * index_t(sizeof(A)));
+    if (c_next) prefetch_rows(c_next + j, next_count, ldc, L * index_t(sizeof(A)));
     nn_block<A, RB, 1>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
   }
+  if (c_next && j < ncol) prefetch_rows(c_next + j, next_count, ldc, (ncol - j) * index_t(sizeof(A)));
   return j;
 }
 #endif
@@ -225,10 +226,10 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
     prefetch_rows(c, std::min<index_t>(rows, RB), ldc, bytes);
     SpreadPrefetch ahead(next, (rows + RB - 1) / RB);
     for (index_t i = 0; i < rows; i += RB, ahead.step()) {
-      const index_t next = std::min<index_t>(RB, std::max<index_t>(rows - i - RB, 0));
+      const index_t next_count = std::min<index_t>(RB, std::max<index_t>(rows - i - RB, 0));
       with_row_count(std::min<index_t>(RB, rows - i), [&](auto rb) {
         j = nn_row_block<A, decltype(rb)::value>(ncol, depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc,
-                                                 next > 0 ? c + (i + RB) * ldc : nullptr, next);
+                                                 next_count > 0 ? c + (i + RB) * ldc : nullptr, next_count);
       });
     }
   } else {
