@@ -2,6 +2,7 @@
 // problems over every switch and shape parameter, and on the edges of the kernels' tiling.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <dcmha/dcmha.hpp>
@@ -337,6 +338,43 @@ TYPED_TEST(AttentionVsReference, DeterministicForAFixedThreadCount) {
           ASSERT_EQ(std::memcmp(&first[i], &all[i], sizeof(double)), 0) << "B=" << B << " element " << i << " of " << all.size();
     }
   }
+}
+
+/// The backward hands a block's key tiles to whichever thread is free (cpu::TileQueue) and sums
+/// per tile in tile order: from the same forward, its gradients are bitwise the same for every
+/// thread count, with one team (B = 1) or whole items per thread, with several tiles per block
+/// (M = 32: 32-key tiles), static W (generic Compose) or not (register paths), GQA.
+TYPED_TEST(AttentionVsReference, BackwardBitwiseTheSameForEveryThreadCount) {
+  for (int64_t B : {1, 2})
+    for (bool with_w : {true, false}) {
+      ProblemSpec s;
+      s.B = B; s.H = 32; s.Hk = with_w ? 32 : 8; s.T = 150; s.S = 150; s.D = 8; s.Dv = 8; s.causal = true;
+      if (!with_w) s.pre = s.post = SideSpec::dynamic();
+      const auto p = dcmha::test::random_problem(s, 17);
+      TypedProblem<TypeParam> tp(p);
+      tp.set_dout(dcmha::test::random_dout(p, 17));
+      tp.num_threads = 2;
+      dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
+      std::vector<double> first;
+      for (int threads : {2, 1, 3}) {
+        tp.num_threads = threads;
+        dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
+                        tp.dv(), tp.compose(), tp.dcompose());
+        std::vector<double> all;
+        const dcmha::reference::Gradients g = tp.gradients();
+        for (auto& [name, vec] : dcmha::test::named_gradients(g))
+          all.insert(all.end(), vec->begin(), vec->end());
+        if (threads == 2) {
+          first = all;
+          // Not all zero: a backward that wrote nothing would compare equal too.
+          ASSERT_GT(std::count_if(all.begin(), all.end(), [](double x) { return x != 0; }), int64_t(all.size() / 2));
+        } else {
+          for (size_t i = 0; i < all.size(); ++i)
+            ASSERT_EQ(std::memcmp(&first[i], &all[i], sizeof(double)), 0)
+                << s.str() << " threads=" << threads << " element " << i << " of " << all.size();
+        }
+      }
+    }
 }
 
 /// A Workspace kept across calls of different shapes (growing, then smaller again; one team and

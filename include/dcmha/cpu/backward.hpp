@@ -5,11 +5,14 @@
 // panels of M x Bq x S values: L (Compose_pre's input, needed for its weight gradients), P, and
 // dP' = dO V^T, which turns into dP = Compose_post^T(dP') and then into dL. The softmax term needs
 // D = sum_s P dP per row and head: unlike FlashAttention this is not rowsum(dO * O), because
-// Compose_post mixes heads between P and O, so it is reduced across the team at a barrier.
+// Compose_post mixes heads between P and O, so it is summed over all keys at a barrier.
 //
-// Each thread owns a contiguous share of the block's keys, so dK, dV and the key-wise compose
-// gradients are accumulated without races or atomics; dQ and the query-wise gradients of a block
-// are summed across threads in thread order. Results are deterministic for a fixed thread count.
+// The team takes a block's key tiles dynamically (TileQueue); one thread does all of a tile's
+// work in a pass, so dK, dV and the key-wise compose gradients are accumulated without races or
+// atomics. What sums over keys (D, the query-wise and static compose gradients) is kept per tile
+// and summed in tile order, and dQ is summed over the tiles a head at a time by one thread: the
+// results are the same for every thread count and schedule, bit for bit.
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -48,28 +51,28 @@ void store_key_grads(const ComposeSide<A>& c, const ComposeKeyGrads<A>& kg,
     }
 }
 
-/// Sums one row's query-wise gradients over the team (in thread order) into the caller's tensors.
+/// Sums one row's query-wise gradients, parts[j * stride + i] for j < count (per key tile, in tile
+/// order), into the caller's tensors. `sum`: ComposeRowGrads::size(c) values of scratch.
 template <class A, class T>
-void store_row_grads(const ComposeSide<A>& c, const ComposeRowGrads<A>* parts,
-                     index_t stride, int nth, index_t i, const ComposeTermGrads<T>& out, index_t b,
-                     index_t t, index_t g) {
+void store_row_grads(const ComposeSide<A>& c, const ComposeRowGrads<A>* parts, index_t stride,
+                     index_t count, index_t i, const ComposeTermGrads<T>& out, index_t b, index_t t,
+                     index_t g, A* sum) {
   if (!c.has_q) return;
-  const index_t M = c.M;
+  const index_t M = c.M, n = ComposeRowGrads<A>::size(c);
+  // Tiles outer: a tile's values are one contiguous run (tiles inner read a cache line per value).
+  std::fill(sum, sum + n, A(0));
+  for (index_t j = 0; j < count; ++j) {
+    const A* p = parts[j * stride + i].sums;
+    for (index_t e = 0; e < n; ++e) sum[e] += p[e];
+  }
+  ComposeRowGrads<A> total;
+  total.init(c, sum);
   for (index_t r = 0; r < c.Rq; ++r)
     for (index_t m = 0; m < M; ++m) {
-      A s1 = 0, s2 = 0;
-      for (int j = 0; j < nth; ++j) {
-        s1 += parts[j * stride + i].qw1()[r * M + m];
-        s2 += parts[j * stride + i].qw2()[r * M + m];
-      }
-      out.qw1(b, t, g, r, m) = T(s1);
-      out.qw2(b, t, g, r, m) = T(s2);
+      out.qw1(b, t, g, r, m) = T(total.qw1()[r * M + m]);
+      out.qw2(b, t, g, r, m) = T(total.qw2()[r * M + m]);
     }
-  for (index_t m = 0; m < M; ++m) {
-    A s = 0;
-    for (int j = 0; j < nth; ++j) s += parts[j * stride + i].qdd()[m];
-    out.qdd(b, t, g, m) = T(s);
-  }
+  for (index_t m = 0; m < M; ++m) out.qdd(b, t, g, m) = T(total.qdd()[m]);
 }
 
 template <class T>
@@ -96,31 +99,34 @@ void narrow_rows(const TensorView<A, 4>& x, const TensorView<T, 4>& out, index_t
 
 }  // namespace detail_bwd
 
-/// Buffers one team shares while it works on one (batch, group). The three panels and the
-/// partial dQ live in the call's Workspace (memory_size() values).
+/// Buffers one team shares while it works on one (batch, group). The three panels live in the
+/// call's Workspace (memory_size() values).
+///
+/// The team takes a block's key tiles dynamically (TileQueue), so what sums over keys is kept per
+/// tile and summed in tile order afterwards: D, the query-wise compose gradients and the static
+/// weights' gradients. dQ, which sums over every tile, is computed head by head, each head by one
+/// thread. So results do not depend on which thread took which tile, nor on the thread count.
 template <class A>
 struct BackwardWorkspace : SlabLayout {
   index_t Bq = 0;
   ComposeSide<A> pre, post;
   ComposeKeyGrads<A> pre_kg, post_kg;
-  A *Lp = nullptr, *Pp = nullptr, *dPp = nullptr;  // [rank][tile][row][m][key], see SlabLayout
-  // dQ accumulates here and is written to the caller once per block (summed over a key-split
-  // team, rounded once for narrow storage), as the forward's output does.
-  A* dq_part = nullptr;  // [rank][m][row][D]
-  Buffer<A> d_part;      // [rank][m][row]
-  // Two sets, alternating by block: a thread may start the next block while others still sum
-  // this block's query-wise gradients.
-  std::vector<ComposeRowGrads<A>> pre_rg, post_rg;  // [set][rank][row]
+  A *Lp = nullptr, *Pp = nullptr, *dPp = nullptr;  // [tile][row][m][key], see SlabLayout
+  Buffer<A> d_tile;                                 // [tile][m][row]: D over the tile's keys
+  Buffer<A> rg_memory;
+  std::vector<ComposeRowGrads<A>> pre_rg, post_rg;  // [tile][row], views of rg_memory
+  Buffer<A> dw_tile;                                // [tile][side][m][n], sides with static W
+  TileQueue pass1, pass2;
+  std::atomic<index_t> heads_taken{0};  // dQ's heads: a ticket counter, never reset
 
-  /// Values of Workspace memory one team of team_size threads needs, whole cache lines (see
+  /// Values of Workspace memory one team needs, whole cache lines (see
   /// ForwardWorkspace::memory_size).
   template <class T>
   static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask,
-                             const ComposeWeights<T>& cw, int team_size) {
+                             const ComposeWeights<T>& cw) {
     BackwardWorkspace w;
-    w.layout(d, mask, team_size);
-    return round_up((cw.pre.enabled() ? 3 : 2) * w.panel_size(team_size) + w.dq_part_size(d, team_size),
-                    64 / index_t(sizeof(A)));
+    w.layout(d, mask);
+    return round_up((cw.pre.enabled() ? 3 : 2) * w.panel_size(1), 64 / index_t(sizeof(A)));
   }
 
   /// `memory`: memory_size() values, written before they are read.
@@ -128,36 +134,44 @@ struct BackwardWorkspace : SlabLayout {
   void init(const detail::AttentionDims& d, const RowMask& mask, const ComposeWeights<T>& cw,
             int team_size, A* memory) {
     const index_t M = d.M;
-    layout(d, mask, team_size);
+    layout(d, mask);
     pre.init(cw.pre, M, padded_stride<A>(d.S));  // key-wise terms of every key
     post.init(cw.post, M, padded_stride<A>(d.S));
     if (pre.has_k) pre_kg.init(pre);
     if (post.has_k) post_kg.init(post);
-    const index_t panel = panel_size(team_size);
+    const index_t panel = panel_size(1);
     Lp = memory;
     Pp = Lp + (pre.on ? panel : 0);
     dPp = Pp + panel;
-    dq_part = dPp + panel;
-    d_part.assign(team_size * M * Bq, A(0));
-    pre_rg.resize(2 * team_size * Bq);
-    post_rg.resize(2 * team_size * Bq);
-    for (auto& r : pre_rg) r.init(pre);
-    for (auto& r : post_rg) r.init(post);
+    d_tile.assign(tiles * M * Bq, A(0));
+    const index_t pre_size = ComposeRowGrads<A>::size(pre), post_size = ComposeRowGrads<A>::size(post);
+    rg_memory.assign(tiles * Bq * (pre_size + post_size), A(0));
+    pre_rg.resize(tiles * Bq);
+    post_rg.resize(tiles * Bq);
+    for (index_t j = 0; j < tiles * Bq; ++j) {
+      pre_rg[j].init(pre, rg_memory.data() + j * pre_size);
+      post_rg[j].init(post, rg_memory.data() + tiles * Bq * pre_size + j * post_size);
+    }
+    dw_tile.assign(pre.has_w || post.has_w ? tiles * 2 * M * M : 0, A(0));
+    pass1.resize(team_size);
+    pass2.resize(team_size);
   }
-  A* slab_of(A* panel, int rank, index_t t) { return panel + slab_offset(rank, t); }
+  A* slab_of(A* panel, index_t t) { return panel + slab_offset(0, t); }
+  /// Tile t's accumulator of one side's static-weight gradient (side 0: pre), or null without W.
+  A* dw_of(const ComposeSide<A>& side, int which, index_t t) {
+    return side.has_w ? dw_tile.data() + (t * 2 + which) * side.M * side.M : nullptr;
+  }
 
  private:
-  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size) {
+  void layout(const detail::AttentionDims& d, const RowMask& mask) {
     const index_t M = d.M;
     // One team shares the three panels, so they get a larger budget than one forward panel.
     Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(64)), d.T, 3, index_t(48) << 20);
     // Keys per tile: the tile's slabs of the three panels (3 x M x Bq x tile values) are
     // produced and consumed while they are in L2, as in the forward. Whole-panel sweeps made
     // every Compose step of the backward wait on memory (perf: half of its time on the panel loads).
-    init_slabs<A>(M, Bq, 3, index_t(1024) << 10, mask.max_block_keys(Bq), team_size);
-  }
-  index_t dq_part_size(const detail::AttentionDims& d, int team_size) const {
-    return team_size * d.M * Bq * d.D;
+    // One run of tiles over all keys of a block: any rank may take any tile.
+    init_slabs<A>(M, Bq, 3, index_t(1024) << 10, mask.max_block_keys(Bq), 1);
   }
 };
 
@@ -166,10 +180,11 @@ struct BackwardWorkspace : SlabLayout {
 /// entry for the group's kv heads. dw_pre / dw_post: this thread's accumulators of
 /// the static weights' gradients for group g (M x M), or null.
 ///
-/// Per block, two passes over this thread's key tiles, as in the forward. Pass 1: L, P (from the
-/// saved statistics), dP' = dO V^T, dV += P'^T dO, dP = Compose_post^T(dP'), and this thread's part
-/// of D = sum_s P dP. Pass 2, once D is summed over the team: dL' = P (dP - D),
-/// dL = Compose_pre^T(dL'), dK += dL^T Q, this thread's part of dQ = dL K.
+/// Per block, two passes over the block's key tiles, as in the forward, each tile taken by one
+/// thread (TileQueue). Pass 1: L, P (from the saved statistics), dP' = dO V^T, dV += P'^T dO,
+/// dP = Compose_post^T(dP'), and the tile's part of D = sum_s P dP. Pass 2, once D is summed over
+/// the tiles: dL' = P (dP - D), dL = Compose_pre^T(dL'), dK += dL^T Q. Then dQ = dL K, a head at
+/// a time, and the per-tile sums of the compose gradients.
 template <class T, class A>
 void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& mask, A scale,
                     const detail::AttentionDims& d, index_t b, index_t g, TensorView<const T, 4> q,
@@ -198,21 +213,26 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   A* kbuf = detail::WorkspaceAccess::per_thread<A>(mem, me, 1, std::max(D, Dv) * tw);
   A* qall = detail::WorkspaceAccess::per_thread<A>(mem, me, 2, M * Bq * D);
   A* oall = detail::WorkspaceAccess::per_thread<A>(mem, me, 3, M * Bq * Dv);
-  Buffer<A> row_d(Bq * M);  // [row][m]: D summed over the team
-  A* my_d = ws.d_part.data() + tid * M * Bq;
+  Buffer<A> row_d(Bq * M);  // [row][m]: D summed over the tiles
+  Buffer<A> dq_rows(Bq * D);  // one head's dQ rows of the block, summed over the tiles
   // The same keys of the next kv head, for the packing routines to prefetch.
   auto next_head = [&](const TensorView<const T, 4>& x, index_t m, index_t p) {
     return next_kv_rows(x, b, g * M + m, g * M + M, group_of_kv, p);
   };
+  auto tiles_of = [&](index_t t0) {
+    if (t0 >= d.T) return index_t(0);
+    const KeyRange keys = mask.rows(b, t0, std::min(d.T, t0 + Bq));
+    return (std::max<index_t>(keys.end - keys.begin, 0) + tw - 1) / tw;
+  };
 
   index_t s0, s1;
   split_range(0, d.S, tid, nth, 1, s0, s1);
-  if (pre.on || post.on) {
-    if (pre.on) pre.load(cw.pre, b, g, s0, s1);
-    if (post.on) post.load(cw.post, b, g, s0, s1);
-    team.sync();
-  }
-  for (index_t t0 = 0; t0 < d.T; t0 += Bq) {
+  if (pre.on) pre.load(cw.pre, b, g, s0, s1);
+  if (post.on) post.load(cw.post, b, g, s0, s1);
+  ws.pass1.reset(tid, nth, tiles_of(0));
+  const index_t heads_base = ws.heads_taken.load(std::memory_order_relaxed);
+  team.sync();
+  for (index_t t0 = 0, block = 0; t0 < d.T; t0 += Bq, ++block) {
     const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
     const KeyRange keys = mask.rows(b, t0, t1);
     index_t lo, hi;
@@ -221,34 +241,45 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     // zero gradients and are never read: the caller's Q and dO rows there may hold anything,
     // and a zero probability times a NaN is still NaN.
     const index_t nl = std::max<index_t>(hi - lo, 0);
-    index_t c0, c1;
-    split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
-    const index_t set = (t0 / Bq) % 2 * nth * Bq;
-    ComposeRowGrads<A>* my_pre_rg = ws.pre_rg.data() + set + tid * Bq;
-    ComposeRowGrads<A>* my_post_rg = ws.post_rg.data() + set + tid * Bq;
+    const index_t c0 = keys.begin, ntiles = tiles_of(t0), c1 = std::min(keys.end, c0 + ntiles * tw);
+    ws.pass2.reset(tid, nth, ntiles);  // its last take() was before the previous block's barrier
     for (index_t i = 0; i < nr; ++i) {
       pre_rows[i].load(pre, cw.pre, b, t0 + i, g);
       post_rows[i].load(post, cw.post, b, t0 + i, g);
-      if (pre.has_q) my_pre_rg[i].zero();
-      if (post.has_q) my_post_rg[i].zero();
     }
-    for (index_t j = 0; j < M * Bq; ++j) my_d[j] = A(0);
     // A head's packed Q and dO rows, for the product before theirs to ask for (null past the last head).
     auto q_rows = [&](index_t m) { return next_rows(m < M ? qall + (m * Bq + lo) * D : nullptr, nl, D, D); };
     auto dout_rows = [&](index_t m) { return next_rows(m < M ? oall + (m * Bq + lo) * Dv : nullptr, nl, Dv, Dv); };
-    if (c1 > c0)
+    if (ntiles > 0)
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
         pack_rows<A>(nl, D, row_ptr(q, b, h, t0 + lo), q.stride[2], qall + (m * Bq + lo) * D, D, scale);
         pack_rows<A>(nl, Dv, row_ptr(dout, b, h, t0 + lo), dout.stride[2], oall + (m * Bq + lo) * Dv, Dv);
       }
+    // Tile `tile`'s keys [cs, ce) and its slabs.
+    struct TileKeys {
+      index_t cs, ce, n;
+      A *Ps, *Ls, *dPs;
+    };
+    auto tile_keys = [&](index_t tile) {
+      TileKeys tk;
+      tk.cs = c0 + tile * tw;
+      tk.ce = std::min(c1, tk.cs + tw);
+      tk.n = tk.ce - tk.cs;
+      tk.Ps = ws.slab_of(ws.Pp, tile);  // Ps[i * rs + m * tw + (s - cs)] holds key s
+      tk.Ls = pre.on ? ws.slab_of(ws.Lp, tile) : tk.Ps;
+      tk.dPs = ws.slab_of(ws.dPp, tile);
+      return tk;
+    };
 
     // Pass 1.
-    for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
-      const index_t ce = std::min(c1, cs + tw), n = ce - cs;
-      A* Ps = ws.slab_of(ws.Pp, tid, tile);  // Ps[i * rs + m * tw + (s - cs)] holds key s
-      A* Ls = pre.on ? ws.slab_of(ws.Lp, tid, tile) : Ps;
-      A* dPs = ws.slab_of(ws.dPp, tid, tile);
+    for (index_t tile; (tile = ws.pass1.take(tid)) >= 0;) {
+      const auto [cs, ce, n, Ps, Ls, dPs] = tile_keys(tile);
+      ComposeRowGrads<A>* post_rg = ws.post_rg.data() + tile * Bq;
+      A* dw_post_tile = ws.dw_of(post, 1, tile);
+      if (post.has_q)
+        for (index_t i = lo; i < hi; ++i) post_rg[i].zero();
+      if (dw_post_tile) std::fill(dw_post_tile, dw_post_tile + M * M, A(0));
       for (index_t m = 0; m < M; ++m) {
         const index_t hk = (g * M + m) / group_of_kv;
         // Scores from the packed, scaled Q rows (contiguous) rather than the caller's (a page apart).
@@ -297,33 +328,32 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
             A* gp = dPs + i * rs + (s - cs);
-            post_bwd(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, gp, tw, gp, tw, my_post_rg[i],
-                     ws.post_kg, dw_post, scratch.data(), i + 1 < hi ? gp + rs : nullptr, tw);
+            post_bwd(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, gp, tw, gp, tw, post_rg[i],
+                     ws.post_kg, dw_post_tile, scratch.data(), i + 1 < hi ? gp + rs : nullptr, tw);
           }
         }
       }
+      A* dt = ws.d_tile.data() + tile * M * Bq;
       for (index_t i = lo; i < hi; ++i)
         for (index_t m = 0; m < M; ++m)
-          my_d[m * Bq + i] += (Segment<A>(Ps + i * rs + m * tw, n) * Segment<A>(dPs + i * rs + m * tw, n)).sum();
+          dt[m * Bq + i] = (Segment<A>(Ps + i * rs + m * tw, n) * Segment<A>(dPs + i * rs + m * tw, n)).sum();
     }
     team.sync();
 
     // Pass 2.
-    for (index_t i = 0; i < nr; ++i)
+    for (index_t i = lo; i < hi; ++i)
       for (index_t m = 0; m < M; ++m) {
         A Dm = 0;
-        for (int j = 0; j < nth; ++j) Dm += ws.d_part[(j * M + m) * Bq + i];
+        for (index_t tile = 0; tile < ntiles; ++tile) Dm += ws.d_tile[(tile * M + m) * Bq + i];
         row_d[i * M + m] = Dm;
       }
-    auto dq_rows = [&](index_t m) { return ws.dq_part + (tid * M + m) * Bq * D; };
-    for (index_t m = 0; m < M; ++m)
-      for (index_t i = 0; i < nr; ++i)
-        if (c1 == c0 || i < lo || i >= hi) std::fill(dq_rows(m) + i * D, dq_rows(m) + (i + 1) * D, A(0));
-    for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
-      const index_t ce = std::min(c1, cs + tw), n = ce - cs;
-      A* Ps = ws.slab_of(ws.Pp, tid, tile);
-      A* Ls = pre.on ? ws.slab_of(ws.Lp, tid, tile) : Ps;
-      A* dPs = ws.slab_of(ws.dPp, tid, tile);
+    for (index_t tile; (tile = ws.pass2.take(tid)) >= 0;) {
+      const auto [cs, ce, n, Ps, Ls, dPs] = tile_keys(tile);
+      ComposeRowGrads<A>* pre_rg = ws.pre_rg.data() + tile * Bq;
+      A* dw_pre_tile = ws.dw_of(pre, 0, tile);
+      if (pre.has_q)
+        for (index_t i = lo; i < hi; ++i) pre_rg[i].zero();
+      if (dw_pre_tile) std::fill(dw_pre_tile, dw_pre_tile + M * M, A(0));
       // The slabs were written in pass 1, long enough ago to have left the cache.
       for (index_t i = lo; i < hi; ++i) {
         for (index_t m = 0; m < M; ++m) {
@@ -340,49 +370,68 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
             A* gp = dPs + i * rs + (s - cs);
-            pre_bwd(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, gp, tw, gp, tw, my_pre_rg[i],
-                    ws.pre_kg, dw_pre, scratch.data(), i + 1 < hi ? Ls + (i + 1) * rs + (s - cs) : nullptr, tw);
+            pre_bwd(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, gp, tw, gp, tw, pre_rg[i],
+                    ws.pre_kg, dw_pre_tile, scratch.data(), i + 1 < hi ? Ls + (i + 1) * rs + (s - cs) : nullptr, tw);
           }
         }
       for (index_t m = 0; m < M; ++m)
         gemm_nn<A>(n, D, nl, dPs + lo * rs + m * tw, 1, rs, qall + (m * Bq + lo) * D, D,
                    row_ptr(dk, b, (g * M + m) / group_of_kv, cs), dk.stride[2], true, {{}, q_rows(m + 1)});
     }
-    // dQ = dL K head by head, after the tiles: per tile, every head's dQ rows (M x Bq x D values,
-    // more than L2) would be read and written again; this way one head's stay in L1 and the
-    // tiles' dL and K rows, read once more, are asked for ahead (the next tile's, or the next
-    // head's first).
-    for (index_t m = 0; m < M; ++m) {
+    ws.pass1.reset(tid, nth, tiles_of(t1));  // every take() of this block's pass 1 is done
+    team.sync();
+
+    // dQ = dL K head by head, over every tile of the block in tile order, each head by one thread:
+    // per tile, every head's dQ rows (M x Bq x D values, more than L2) would be read and written
+    // again; this way one head's stay in L1 and the tiles' dL and K rows, read once more, are
+    // asked for ahead (the next tile's, or the next head's first).
+    const index_t heads_ticket = heads_base + block * (M + nth);
+    for (index_t m; (m = ws.heads_taken.fetch_add(1, std::memory_order_relaxed) - heads_ticket) < M;) {
       const index_t hk = (g * M + m) / group_of_kv;
-      for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
-        const index_t n = std::min(c1, cs + tw) - cs;
-        const A* dL = ws.slab_of(ws.dPp, tid, tile) + lo * rs + m * tw;
+      for (index_t tile = 0; tile < ntiles; ++tile) {
+        const index_t cs = c0 + tile * tw, n = std::min(c1, cs + tw) - cs;
+        const A* dL = ws.slab_of(ws.dPp, tile) + lo * rs + m * tw;
         NextReads next;
-        if (cs + tw < c1) {
+        if (tile + 1 < ntiles) {
           const index_t nn = std::min(tw, c1 - cs - tw);
           next = {next_rows(row_ptr(k, b, hk, cs + tw), nn, k.stride[2], D), next_rows(dL + ws.slab, nl, rs, nn)};
         } else if (m + 1 < M) {
           const index_t nn = std::min(tw, c1 - c0);
           next = {next_rows(row_ptr(k, b, (g * M + m + 1) / group_of_kv, c0), nn, k.stride[2], D),
-                  next_rows(ws.slab_of(ws.dPp, tid, 0) + lo * rs + (m + 1) * tw, nl, rs, nn)};
+                  next_rows(ws.slab_of(ws.dPp, 0) + lo * rs + (m + 1) * tw, nl, rs, nn)};
         }
-        gemm_ab<A>(nl, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows(m) + lo * D, D, cs > c0,
-                   kbuf, scale, next);
+        gemm_ab<A>(nl, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows.data() + lo * D, D,
+                   tile > 0, kbuf, scale, next);
+      }
+      for (index_t i = 0; i < nr; ++i) {
+        T* out = row_ptr(dq, b, g * M + m, t0 + i);
+        if (ntiles == 0 || i < lo || i >= hi)
+          std::fill(out, out + D, T(0));
+        else
+          narrow_row(dq_rows.data() + i * D, out, D);
       }
     }
-    team.sync();
-
-    // 3. Sum dQ and the query-wise gradients over the team, a share of the rows each.
+    // The query-wise gradients and the static weights', summed over the tiles in tile order.
     index_t r0, r1;
     split_range(0, nr, tid, nth, 1, r0, r1);
-    sum_team_parts<T, A>(team, ws.dq_part, M, Bq, nr, D, dq, b, g * M, t0);
     for (index_t i = r0; i < r1; ++i) {
-      store_row_grads(pre, ws.pre_rg.data() + set, Bq, nth, i, dcw.pre, b, t0 + i, g);
-      store_row_grads(post, ws.post_rg.data() + set, Bq, nth, i, dcw.post, b, t0 + i, g);
+      const index_t count = i >= lo && i < hi ? ntiles : 0;
+      store_row_grads(pre, ws.pre_rg.data(), Bq, count, i, dcw.pre, b, t0 + i, g, scratch.data());
+      store_row_grads(post, ws.post_rg.data(), Bq, count, i, dcw.post, b, t0 + i, g, scratch.data());
     }
+    if (tid == 0)
+      for (int which = 0; which < 2; ++which) {
+        const ComposeSide<A>& side = which ? post : pre;
+        A* dw = which ? dw_post : dw_pre;
+        if (!side.has_w || !dw || nl == 0) continue;
+        for (index_t tile = 0; tile < ntiles; ++tile) {
+          const A* part = ws.dw_of(side, which, tile);
+          for (index_t j = 0; j < M * M; ++j) dw[j] += part[j];
+        }
+      }
+    team.sync();  // the next block overwrites the slabs and the per-tile sums read above
   }
   if (pre.has_k || post.has_k) {
-    team.sync();  // every block of this group has added its key-wise gradients
     store_key_grads(pre, ws.pre_kg, dcw.pre, b, g, s0, s1);
     store_key_grads(post, ws.post_kg, dcw.post, b, g, s0, s1);
     const index_t kld = pre.ld;  // key-wise arrays: one row of every key per (r, m)
@@ -441,7 +490,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
   }
   if (independent) {
     // Every thread's panels in one Workspace block (shared with the forward's, see there).
-    const index_t private_size = BackwardWorkspace<A>::memory_size(d, mask, cw, 1);
+    const index_t private_size = BackwardWorkspace<A>::memory_size(d, mask, cw);
     A* panels = detail::WorkspaceAccess::shared<A>(mem, 0, nt * private_size);
 #pragma omp parallel num_threads(nt)
     {
@@ -467,7 +516,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
     }
   } else {
     BackwardWorkspace<A> ws;
-    ws.init(d, mask, cw, nt, detail::WorkspaceAccess::shared<A>(mem, 0, BackwardWorkspace<A>::memory_size(d, mask, cw, nt)));
+    ws.init(d, mask, cw, nt, detail::WorkspaceAccess::shared<A>(mem, 0, BackwardWorkspace<A>::memory_size(d, mask, cw)));
 #pragma omp parallel num_threads(nt)
     {
       const Team team{thread_id(), team_size()};

@@ -227,24 +227,27 @@ inline void compose_chunk(const ComposeSide<A>& c, const ComposeRow<A>& q, index
   }
 }
 
-/// Gradient accumulators of one side's query-wise terms for one row, in one buffer:
-/// qw1 [r][m], then qw2 [r][m], then qdd [m] (the order compose_chunk_backward_registers
-/// reduces its lane vectors in).
+/// Gradient accumulators of one side's query-wise terms for one row (the backward keeps one per
+/// row and key tile), a view of size() values owned by the caller: qw1 [r][m], then qw2 [r][m],
+/// then qdd [m] (the order compose_chunk_backward_registers reduces its lane vectors in).
 template <class A>
 struct ComposeRowGrads {
-  Buffer<A> sums;
+  A* sums = nullptr;
   index_t n1 = 0;  // Rq * M
-  void init(const ComposeSide<A>& c) {
+  index_t count = 0;
+  static index_t size(const ComposeSide<A>& c) { return 2 * c.Rq * c.M + c.M; }
+  void init(const ComposeSide<A>& c, A* memory) {
     n1 = c.Rq * c.M;
-    sums.assign(2 * n1 + c.M, A(0));
+    count = size(c);
+    sums = memory;
   }
-  void zero() { std::fill(sums.begin(), sums.end(), A(0)); }
-  A* qw1() { return sums.data(); }
-  A* qw2() { return sums.data() + n1; }
-  A* qdd() { return sums.data() + 2 * n1; }
-  const A* qw1() const { return sums.data(); }
-  const A* qw2() const { return sums.data() + n1; }
-  const A* qdd() const { return sums.data() + 2 * n1; }
+  void zero() { std::fill(sums, sums + count, A(0)); }
+  A* qw1() { return sums; }
+  A* qw2() { return sums + n1; }
+  A* qdd() { return sums + 2 * n1; }
+  const A* qw1() const { return sums; }
+  const A* qw2() const { return sums + n1; }
+  const A* qdd() const { return sums + 2 * n1; }
 };
 
 /// Gradient accumulators of one side's key-wise terms for one (b, g), same layout as ComposeSide

@@ -178,7 +178,7 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
       vstore(g + m * g_hs + j, out);
     }
   }
-  if (RQ && nb > 0) add_lane_sums(lanes1, (2 * RQ + 1) * M, rg.sums.data());
+  if (RQ && nb > 0) add_lane_sums(lanes1, (2 * RQ + 1) * M, rg.sums);
   const int j = nb * L;
   if (j < n) {
     if (next) prefetch_rows(next + j, M, next_hs, (n - j) * index_t(sizeof(A)));

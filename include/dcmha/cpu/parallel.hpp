@@ -1,7 +1,11 @@
 #pragma once
 // Thread-team helpers. The kernels run one OpenMP team per call; inside it, every thread takes a
-// contiguous share of the keys of the current query block (see forward.hpp for why).
+// contiguous share of the keys of the current query block (see forward.hpp for why), or, in the
+// backward, key tiles from a TileQueue.
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <vector>
 
 #include "../config.hpp"
 #include "../tensor.hpp"
@@ -69,6 +73,52 @@ struct Team {
   void sync() const {
     if (size > 1) barrier();
   }
+};
+
+/// Hands out a block's key tiles to a team. Each rank owns a contiguous run (its share of the
+/// tiles) and takes from its front; a rank whose run is empty takes from the back of another's.
+/// A static split made the whole team wait at every barrier for its slowest thread, and this
+/// machine's vCPUs run at speeds that differ by up to 2x for tenths of a second (a busy sibling
+/// hyperthread on the host): the backward's barriers cost 7-10% of its time. Who takes which
+/// tile varies from run to run, so whatever sums over tiles must do so per tile, in tile order.
+class TileQueue {
+ public:
+  /// Sized for `ranks` ranks, before the team starts.
+  void resize(int ranks) { runs_ = std::vector<std::atomic<std::uint64_t>>(std::size_t(ranks)); }
+  /// Rank `rank` of `ranks` sets its run for the next `tiles` tiles. Every rank does so, and a
+  /// barrier separates it from the last take() before and the first take() after.
+  void reset(int rank, int ranks, index_t tiles) {
+    index_t b, e;
+    split_range(0, tiles, rank, ranks, 1, b, e);
+    runs_[std::size_t(rank)].store(pack(b, e), std::memory_order_relaxed);
+  }
+  /// The next tile for `rank`, or -1 once every tile has been taken.
+  index_t take(int rank) {
+    const int n = int(runs_.size());
+    index_t t;
+    if (pop(rank, true, t)) return t;
+    for (int j = 1; j < n; ++j)
+      if (pop((rank + j) % n, false, t)) return t;
+    return -1;
+  }
+
+ private:
+  // Front and end of a run in one word, so that a take is one compare-and-swap. Relaxed order:
+  // the queue hands out indices only; the data a tile's work reads is ordered by barriers.
+  static std::uint64_t pack(index_t b, index_t e) { return std::uint64_t(b) | std::uint64_t(e) << 32; }
+  bool pop(int rank, bool front, index_t& t) {
+    std::atomic<std::uint64_t>& run = runs_[std::size_t(rank)];
+    std::uint64_t v = run.load(std::memory_order_relaxed);
+    for (;;) {
+      const index_t b = index_t(v & 0xffffffffu), e = index_t(v >> 32);
+      if (b >= e) return false;
+      if (run.compare_exchange_weak(v, front ? pack(b + 1, e) : pack(b, e - 1), std::memory_order_relaxed)) {
+        t = front ? b : e - 1;
+        return true;
+      }
+    }
+  }
+  std::vector<std::atomic<std::uint64_t>> runs_;
 };
 
 /// Whether to give each thread whole (batch, group) items instead of splitting every item's keys
