@@ -99,8 +99,8 @@ void narrow_rows(const TensorView<A, 4>& x, const TensorView<T, 4>& out, index_t
 
 }  // namespace detail_bwd
 
-/// Buffers one team shares while it works on one (batch, group). The three panels live in the
-/// call's Workspace (memory_size() values).
+/// Buffers one team shares while it works on one (batch, group). The three panels and the packed
+/// Q and dO rows live in the call's Workspace (memory_size() values).
 ///
 /// The team takes a block's key tiles dynamically (TileQueue), so what sums over keys is kept per
 /// tile and summed in tile order afterwards: D, the query-wise compose gradients and the static
@@ -116,6 +116,7 @@ struct BackwardWorkspace : SlabLayout {
   Buffer<A> rg_memory;
   std::vector<ComposeRowGrads<A>> pre_rg, post_rg;  // [tile][row], views of rg_memory
   Buffer<A> dw_tile;                                // [tile][side][m][n], sides with static W
+  A *qall = nullptr, *oall = nullptr;               // [m][row][D or Dv]: the block's Q (scaled), dO
   TileQueue pass1, pass2;
   std::atomic<index_t> heads_taken{0};  // dQ's heads: a ticket counter, never reset
 
@@ -126,7 +127,8 @@ struct BackwardWorkspace : SlabLayout {
                              const ComposeWeights<T>& cw) {
     BackwardWorkspace w;
     w.layout(d, mask);
-    return round_up((cw.pre.enabled() ? 3 : 2) * w.panel_size(1), 64 / index_t(sizeof(A)));
+    return round_up((cw.pre.enabled() ? 3 : 2) * w.panel_size(1) + w.Bq * d.M * (d.D + d.Dv),
+                    64 / index_t(sizeof(A)));
   }
 
   /// `memory`: memory_size() values, written before they are read.
@@ -143,6 +145,8 @@ struct BackwardWorkspace : SlabLayout {
     Lp = memory;
     Pp = Lp + (pre.on ? panel : 0);
     dPp = Pp + panel;
+    qall = dPp + panel;
+    oall = qall + Bq * M * d.D;
     d_tile.assign(tiles * M * Bq, A(0));
     const index_t pre_size = ComposeRowGrads<A>::size(pre), post_size = ComposeRowGrads<A>::size(post);
     rg_memory.assign(tiles * Bq * (pre_size + post_size), A(0));
@@ -205,14 +209,14 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   Buffer<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
   const ComposeFn<A> pre_fn(pre), post_fn(post);
   const ComposeBackwardFn<A> pre_bwd(pre), post_bwd(post);
-  // This thread's buffers in the Workspace: P' of one tile ([row][m][key]), and the packed
-  // operands of the tile products (gemm.hpp): a key tile of K or V, and this block's rows of Q
-  // (scaled) and dO for every head, packed once per block and shared by every tile.
+  // This thread's buffers in the Workspace: P' of one tile ([row][m][key]) and a key tile of K
+  // or V packed for the tile products (gemm.hpp). The team's: this block's rows of Q (scaled)
+  // and dO for every head, packed once per block and shared by every tile.
   const int me = thread_id();
   A* ptile = post.on ? detail::WorkspaceAccess::per_thread<A>(mem, me, 0, ws.slab) : nullptr;
   A* kbuf = detail::WorkspaceAccess::per_thread<A>(mem, me, 1, std::max(D, Dv) * tw);
-  A* qall = detail::WorkspaceAccess::per_thread<A>(mem, me, 2, M * Bq * D);
-  A* oall = detail::WorkspaceAccess::per_thread<A>(mem, me, 3, M * Bq * Dv);
+  A* qall = ws.qall;
+  A* oall = ws.oall;
   Buffer<A> row_d(Bq * M);  // [row][m]: D summed over the tiles
   Buffer<A> dq_rows(Bq * D);  // one head's dQ rows of the block, summed over the tiles
   // The same keys of the next kv head, for the packing routines to prefetch.
@@ -224,12 +228,24 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     const KeyRange keys = mask.rows(b, t0, std::min(d.T, t0 + Bq));
     return (std::max<index_t>(keys.end - keys.begin, 0) + tw - 1) / tw;
   };
+  // Head m's live rows of the block at t0 into qall / oall, if the block has keys.
+  auto pack_head = [&](index_t t0, index_t m) {
+    if (tiles_of(t0) == 0) return;
+    index_t lo, hi;
+    mask.live_rows(b, t0, std::min(d.T, t0 + Bq), lo, hi);
+    const index_t h = g * M + m, nl = std::max<index_t>(hi - lo, 0);
+    pack_rows<A>(nl, D, row_ptr(q, b, h, t0 + lo), q.stride[2], qall + (m * Bq + lo) * D, D, scale);
+    pack_rows<A>(nl, Dv, row_ptr(dout, b, h, t0 + lo), dout.stride[2], oall + (m * Bq + lo) * Dv, Dv);
+  };
 
   index_t s0, s1;
   split_range(0, d.S, tid, nth, 1, s0, s1);
   if (pre.on) pre.load(cw.pre, b, g, s0, s1);
   if (post.on) post.load(cw.post, b, g, s0, s1);
   ws.pass1.reset(tid, nth, tiles_of(0));
+  index_t m0, m1;
+  split_range(0, M, tid, nth, 1, m0, m1);
+  for (index_t m = m0; m < m1; ++m) pack_head(0, m);  // later blocks' are packed in the dQ loop
   const index_t heads_base = ws.heads_taken.load(std::memory_order_relaxed);
   team.sync();
   for (index_t t0 = 0, block = 0; t0 < d.T; t0 += Bq, ++block) {
@@ -250,12 +266,6 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     // A head's packed Q and dO rows, for the product before theirs to ask for (null past the last head).
     auto q_rows = [&](index_t m) { return next_rows(m < M ? qall + (m * Bq + lo) * D : nullptr, nl, D, D); };
     auto dout_rows = [&](index_t m) { return next_rows(m < M ? oall + (m * Bq + lo) * Dv : nullptr, nl, Dv, Dv); };
-    if (ntiles > 0)
-      for (index_t m = 0; m < M; ++m) {
-        const index_t h = g * M + m;
-        pack_rows<A>(nl, D, row_ptr(q, b, h, t0 + lo), q.stride[2], qall + (m * Bq + lo) * D, D, scale);
-        pack_rows<A>(nl, Dv, row_ptr(dout, b, h, t0 + lo), dout.stride[2], oall + (m * Bq + lo) * Dv, Dv);
-      }
     // Tile `tile`'s keys [cs, ce) and its slabs.
     struct TileKeys {
       index_t cs, ce, n;
@@ -410,6 +420,9 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         else
           narrow_row(dq_rows.data() + i * D, out, D);
       }
+      // The next block's rows of this head: pass 2 has read this block's (dK), and the next
+      // block's pass 1 starts after the barrier below. Shared, so packed once, not per thread.
+      pack_head(t1, m);
     }
     // The query-wise gradients and the static weights', summed over the tiles in tile order.
     index_t r0, r1;
