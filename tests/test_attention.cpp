@@ -156,8 +156,8 @@ TYPED_TEST(AttentionVsReference, ProductTileEdges) {
   // the few-rows path (T < 8). M = 8 and 64-row blocks give 256-key forward tiles: S = 255 / 256 /
   // 257 is one tile, exactly one, one plus a key; 600 crosses two tile boundaries, so the online
   // softmax rescales earlier tiles' sums (and their factors in pass 2). The backward's tiles hold
-  // three panels, 160 keys here: S = 161 is one plus a key, 600 crosses three boundaries (one
-  // thread) or one per thread's share (two).
+  // three panels, 160 keys here: S = 161 is one plus a key, 600 crosses three boundaries (for
+  // every thread count: the backward's tiles do not depend on it).
   for (int64_t S : {161, 255, 256, 257, 600}) {
     for (int64_t T : {int64_t(5), S}) {
       ProblemSpec s;
@@ -375,6 +375,47 @@ TYPED_TEST(AttentionVsReference, BackwardBitwiseTheSameForEveryThreadCount) {
         }
       }
     }
+}
+
+/// The backward's tile queue where blocks start past key 0 (window), see no keys at all (padded
+/// and all-padding sequences, between blocks that do), with T != S and GQA: 32-key tiles
+/// (M = 32), several per block. Against the reference, and bitwise across thread counts.
+TYPED_TEST(AttentionVsReference, BackwardKeyTilesWithWindowsAndPadding) {
+  for (int64_t window : {0, 40}) {
+    ProblemSpec s;
+    s.B = 3; s.H = 32; s.Hk = 8; s.T = 150; s.S = 170; s.D = 8; s.Dv = 8; s.causal = true;
+    s.window = window;
+    s.pre.static_w = false;  // one side generic (static W), one on the register path
+    auto p = dcmha::test::random_problem(s, 23);
+    std::vector<int64_t> ql = {150, 97, 0}, kl = {170, 61, 0};
+    p.query_lengths = ql;
+    p.key_lengths = kl;
+    SCOPED_TRACE(s.str());
+    const auto dout = dcmha::test::random_dout(p, 23);
+    const auto expected = dcmha::reference::backward(p, dout);
+    TypedProblem<TypeParam> tp(p);
+    tp.set_dout(dout);
+    dcmha::AttentionConfig cfg = tp.config();
+    cfg.query_lengths = dcmha::view<1>(ql.data(), {3});
+    cfg.key_lengths = dcmha::view<1>(kl.data(), {3});
+    cfg.num_threads = 2;
+    dcmha::forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
+    std::vector<double> first;
+    for (int threads : {2, 1, 3}) {
+      cfg.num_threads = threads;
+      dcmha::backward(cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(), tp.dv(),
+                      tp.compose(), tp.dcompose());
+      const dcmha::reference::Gradients g = tp.gradients();
+      for (const auto& e : dcmha::test::gradient_errors(expected, g))
+        EXPECT_LE(e.rel, tolerance<TypeParam>()) << e.name << " threads=" << threads;
+      std::vector<double> all;
+      for (auto& [name, vec] : dcmha::test::named_gradients(g)) all.insert(all.end(), vec->begin(), vec->end());
+      if (threads == 2) first = all;
+      else
+        for (size_t i = 0; i < all.size(); ++i)
+          ASSERT_EQ(std::memcmp(&first[i], &all[i], sizeof(double)), 0) << "threads=" << threads << " element " << i;
+    }
+  }
 }
 
 /// A Workspace kept across calls of different shapes (growing, then smaller again; one team and

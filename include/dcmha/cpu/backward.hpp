@@ -15,6 +15,7 @@
 #include <atomic>
 #include <cmath>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../compose_weights.hpp"
@@ -181,8 +182,9 @@ struct BackwardWorkspace : SlabLayout {
 
 /// One (batch, group): every query block of it, the keys shared across the team. dk and dv: the
 /// accumulators of dK and dV (the caller's tensors, or float ones for narrow storage), zero on
-/// entry for the group's kv heads. dw_pre / dw_post: this thread's accumulators of
-/// the static weights' gradients for group g (M x M), or null.
+/// entry for the group's kv heads. dw_pre / dw_post: the accumulators of the static weights'
+/// gradients for (b, g) (M x M, the same for every rank; rank 0 adds the block's tile sums), or
+/// null.
 ///
 /// Per block, two passes over the block's key tiles, as in the forward, each tile taken by one
 /// thread (TileQueue). Pass 1: L, P (from the saved statistics), dP' = dO V^T, dV += P'^T dO,
@@ -282,14 +284,20 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       return tk;
     };
 
+    // Tile `tile`'s sums of one side's query-wise and static-weight gradients, zeroed.
+    auto tile_grads = [&](const ComposeSide<A>& side, int which, index_t tile) {
+      ComposeRowGrads<A>* rg = (which ? ws.post_rg : ws.pre_rg).data() + tile * Bq;
+      A* dw = ws.dw_of(side, which, tile);
+      if (side.has_q)
+        for (index_t i = lo; i < hi; ++i) rg[i].zero();
+      if (dw) std::fill(dw, dw + M * M, A(0));
+      return std::make_pair(rg, dw);
+    };
+
     // Pass 1.
     for (index_t tile; (tile = ws.pass1.take(tid)) >= 0;) {
       const auto [cs, ce, n, Ps, Ls, dPs] = tile_keys(tile);
-      ComposeRowGrads<A>* post_rg = ws.post_rg.data() + tile * Bq;
-      A* dw_post_tile = ws.dw_of(post, 1, tile);
-      if (post.has_q)
-        for (index_t i = lo; i < hi; ++i) post_rg[i].zero();
-      if (dw_post_tile) std::fill(dw_post_tile, dw_post_tile + M * M, A(0));
+      const auto [post_rg, dw_post_tile] = tile_grads(post, 1, tile);
       for (index_t m = 0; m < M; ++m) {
         const index_t hk = (g * M + m) / group_of_kv;
         // Scores from the packed, scaled Q rows (contiguous) rather than the caller's (a page apart).
@@ -359,11 +367,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       }
     for (index_t tile; (tile = ws.pass2.take(tid)) >= 0;) {
       const auto [cs, ce, n, Ps, Ls, dPs] = tile_keys(tile);
-      ComposeRowGrads<A>* pre_rg = ws.pre_rg.data() + tile * Bq;
-      A* dw_pre_tile = ws.dw_of(pre, 0, tile);
-      if (pre.has_q)
-        for (index_t i = lo; i < hi; ++i) pre_rg[i].zero();
-      if (dw_pre_tile) std::fill(dw_pre_tile, dw_pre_tile + M * M, A(0));
+      const auto [pre_rg, dw_pre_tile] = tile_grads(pre, 0, tile);
       // The slabs were written in pass 1, long enough ago to have left the cache.
       for (index_t i = lo; i < hi; ++i) {
         for (index_t m = 0; m < M; ++m) {
@@ -394,7 +398,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     // dQ = dL K head by head, over every tile of the block in tile order, each head by one thread:
     // per tile, every head's dQ rows (M x Bq x D values, more than L2) would be read and written
     // again; this way one head's stay in L1 and the tiles' dL and K rows, read once more, are
-    // asked for ahead (the next tile's, or the next head's first).
+    // asked for ahead (the next tile's; after the last, head m + 1's first, which another thread
+    // may take, but its K rows are then on their way into L3).
     const index_t heads_ticket = heads_base + block * (M + nth);
     for (index_t m; (m = ws.heads_taken.fetch_add(1, std::memory_order_relaxed) - heads_ticket) < M;) {
       const index_t hk = (g * M + m) / group_of_kv;
@@ -477,15 +482,14 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
   const index_t groups_per_item = cluster_heads / M;
   const index_t items = d.B * (G / groups_per_item);
   const bool independent = independent_items(items, nt);
-  const int team_size_ = independent ? 1 : nt;
 
-  // Static weights' gradients: one M x M accumulator per (batch, team rank, group), summed in a
-  // fixed order at the end, so the result does not depend on which thread ran which item.
+  // Static weights' gradients: one M x M accumulator per (batch, group), summed over the batch in
+  // a fixed order at the end, so the result does not depend on which thread ran which item.
   const bool w_pre = cw.pre.static_w, w_post = cw.post.static_w;
-  Buffer<A> dw_pre(w_pre ? d.B * team_size_ * G * M * M : 0, A(0));
-  Buffer<A> dw_post(w_post ? d.B * team_size_ * G * M * M : 0, A(0));
-  auto dw_slot = [&](Buffer<A>& buf, index_t b, int rank, index_t g) -> A* {
-    return buf.empty() ? nullptr : buf.data() + ((b * team_size_ + rank) * G + g) * M * M;
+  Buffer<A> dw_pre(w_pre ? d.B * G * M * M : 0, A(0));
+  Buffer<A> dw_post(w_post ? d.B * G * M * M : 0, A(0));
+  auto dw_slot = [&](Buffer<A>& buf, index_t b, index_t g) -> A* {
+    return buf.empty() ? nullptr : buf.data() + (b * G + g) * M * M;
   };
 
   detail::WorkspaceAccess::reserve_slots(mem, nt);
@@ -520,7 +524,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
           }
         for (index_t g = g0; g < g0 + groups_per_item; ++g)
           backward_group(Team{0, 1}, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc, dv_acc,
-                         cw, dcw, dw_slot(dw_pre, b, 0, g), dw_slot(dw_post, b, 0, g), mem);
+                         cw, dcw, dw_slot(dw_pre, b, g), dw_slot(dw_post, b, g), mem);
         if constexpr (narrow) {
           narrow_rows(dk_acc, dk, (b * d.Hk + hk0) * d.S, (b * d.Hk + hk1) * d.S);
           narrow_rows(dv_acc, dv, (b * d.Hk + hk0) * d.S, (b * d.Hk + hk1) * d.S);
@@ -539,7 +543,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
       for (index_t b = 0; b < d.B; ++b)
         for (index_t g = 0; g < G; ++g)
           backward_group(team, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc, dv_acc, cw, dcw,
-                         dw_slot(dw_pre, b, team.rank, g), dw_slot(dw_post, b, team.rank, g), mem);
+                         dw_slot(dw_pre, b, g), dw_slot(dw_post, b, g), mem);
       if constexpr (narrow) {  // backward_group ends at a barrier: every block has added its part
         index_t r0, r1;
         split_range(0, d.B * d.Hk * d.S, team.rank, team.size, 1, r0, r1);
@@ -557,8 +561,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
       for (index_t m = 0; m < M; ++m)
         for (index_t n = 0; n < M; ++n) {
           A s = 0;
-          for (index_t b = 0; b < d.B; ++b)
-            for (int j = 0; j < team_size_; ++j) s += dw_slot(parts, b, j, g)[m * M + n];
+          for (index_t b = 0; b < d.B; ++b) s += dw_slot(parts, b, g)[m * M + n];
           out(g, m, n) = T(s);
         }
   }

@@ -81,15 +81,18 @@ struct ComposeSide {
   }
 
   /// Loads group g of batch b; key-wise terms for keys [s0, s1) only, so threads can share the work.
+  /// What is not per key is written by the one caller whose non-empty share starts at key 0
+  /// (with fewer keys than threads, several shares are empty and start there too).
   template <class T>
   void load(const ComposeTerms<T>& c, index_t b, index_t g, index_t s0, index_t s1,
             const KeyRing& ring = {}) {
-    if (has_w && s0 == 0)
+    const bool first = s0 == 0 && s1 > s0;
+    if (has_w && first)
       for (index_t m = 0; m < M; ++m)
         for (index_t n = 0; n < M; ++n) w[m * M + n] = A(c.w(g, m, n));
     if (borrowed) {
       if constexpr (std::is_same_v<A, T>) {
-        if (s0 == 0) {  // one writer; the team syncs after load
+        if (first) {  // one writer; the team syncs after load
           k1 = c.kw1.data + b * c.kw1.stride[0] + g * c.kw1.stride[2];
           k2 = c.kw2.data + b * c.kw2.stride[0] + g * c.kw2.stride[2];
           kd = c.kdd.data + b * c.kdd.stride[0] + g * c.kdd.stride[2];
@@ -235,7 +238,7 @@ struct ComposeRowGrads {
   A* sums = nullptr;
   index_t n1 = 0;  // Rq * M
   index_t count = 0;
-  static index_t size(const ComposeSide<A>& c) { return 2 * c.Rq * c.M + c.M; }
+  static index_t size(const ComposeSide<A>& c) { return c.has_q ? 2 * c.Rq * c.M + c.M : 0; }
   void init(const ComposeSide<A>& c, A* memory) {
     n1 = c.Rq * c.M;
     count = size(c);

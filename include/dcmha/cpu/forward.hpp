@@ -10,8 +10,8 @@
 // Parallelism: the whole team works on one (batch, group, query block) at a time, each thread on
 // a contiguous share of its keys. Row statistics are combined across threads at two barriers and
 // partial outputs summed in thread order at a third, so results are deterministic for a fixed
-// thread count. Key ownership is what makes the backward race-free (backward.hpp), and the same
-// split serves decoding, where one query row meets many keys.
+// thread count. The same split serves decoding, where one query row meets many keys; the
+// backward hands out key tiles dynamically instead (backward.hpp).
 #include <cmath>
 #include <limits>
 #include <type_traits>
