@@ -27,7 +27,8 @@ struct AttentionConfig {
   /// both equal to the prompt lengths. Decoding n new tokens after a cache of c_b tokens:
   /// query_lengths = n, key_lengths = c_b + n.
   TensorView<const index_t, 1> query_lengths, key_lengths;
-  /// OpenMP threads for this call; 0 means omp_get_max_threads().
+  /// OpenMP threads for this call; 0 means omp_get_max_threads(). Results are bitwise the same
+  /// from call to call for a fixed count; backward's for every count (from the same lse).
   int num_threads = 0;
 };
 
