@@ -15,7 +15,6 @@
 #include <atomic>
 #include <cmath>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "../compose_weights.hpp"
@@ -52,20 +51,18 @@ void store_key_grads(const ComposeSide<A>& c, const ComposeKeyGrads<A>& kg,
     }
 }
 
-/// Sums one row's query-wise gradients, parts[j * stride + i] for j < count (per key tile, in tile
-/// order), into the caller's tensors. `sum`: ComposeRowGrads::size(c) values of scratch.
+/// Sums one row's query-wise gradients over `count` key tiles in tile order (the first tile's at
+/// `parts`, the next `stride` values on) into the caller's tensors. `sum`:
+/// ComposeRowGrads::size(c) values of scratch.
 template <class A, class T>
-void store_row_grads(const ComposeSide<A>& c, const ComposeRowGrads<A>* parts, index_t stride,
-                     index_t count, index_t i, const ComposeTermGrads<T>& out, index_t b, index_t t,
-                     index_t g, A* sum) {
+void store_row_grads(const ComposeSide<A>& c, const A* parts, index_t stride, index_t count,
+                     const ComposeTermGrads<T>& out, index_t b, index_t t, index_t g, A* sum) {
   if (!c.has_q) return;
   const index_t M = c.M, n = ComposeRowGrads<A>::size(c);
   // Tiles outer: a tile's values are one contiguous run (tiles inner read a cache line per value).
   std::fill(sum, sum + n, A(0));
-  for (index_t j = 0; j < count; ++j) {
-    const A* p = parts[j * stride + i].sums;
-    for (index_t e = 0; e < n; ++e) sum[e] += p[e];
-  }
+  for (index_t j = 0; j < count; ++j)
+    for (index_t e = 0; e < n; ++e) sum[e] += parts[j * stride + e];
   ComposeRowGrads<A> total;
   total.init(c, sum);
   for (index_t r = 0; r < c.Rq; ++r)
@@ -114,8 +111,7 @@ struct BackwardWorkspace : SlabLayout {
   ComposeKeyGrads<A> pre_kg, post_kg;
   A *Lp = nullptr, *Pp = nullptr, *dPp = nullptr;  // [tile][row][m][key], see SlabLayout
   Buffer<A> d_tile;                                 // [tile][m][row]: D over the tile's keys
-  Buffer<A> rg_memory;
-  std::vector<ComposeRowGrads<A>> pre_rg, post_rg;  // [tile][row], views of rg_memory
+  Buffer<A> pre_rg, post_rg;  // [tile][row][ComposeRowGrads::size]: query-wise gradient sums
   Buffer<A> dw_tile;                                // [tile][side][m][n], sides with static W
   A *qall = nullptr, *oall = nullptr;               // [m][row][D or Dv]: the block's Q (scaled), dO
   TileQueue pass1, pass2;
@@ -149,19 +145,20 @@ struct BackwardWorkspace : SlabLayout {
     qall = dPp + panel;
     oall = qall + Bq * M * d.D;
     d_tile.assign(tiles * M * Bq, A(0));
-    const index_t pre_size = ComposeRowGrads<A>::size(pre), post_size = ComposeRowGrads<A>::size(post);
-    rg_memory.assign(tiles * Bq * (pre_size + post_size), A(0));
-    pre_rg.resize(tiles * Bq);
-    post_rg.resize(tiles * Bq);
-    for (index_t j = 0; j < tiles * Bq; ++j) {
-      pre_rg[j].init(pre, rg_memory.data() + j * pre_size);
-      post_rg[j].init(post, rg_memory.data() + tiles * Bq * pre_size + j * post_size);
-    }
+    pre_rg.assign(tiles * Bq * ComposeRowGrads<A>::size(pre), A(0));
+    post_rg.assign(tiles * Bq * ComposeRowGrads<A>::size(post), A(0));
     dw_tile.assign(pre.has_w || post.has_w ? tiles * 2 * M * M : 0, A(0));
     pass1.resize(team_size);
     pass2.resize(team_size);
   }
   A* slab_of(A* panel, index_t t) { return panel + slab_offset(0, t); }
+  /// Row i of tile t's sums of one side's query-wise gradients (side 0: pre); rows follow each
+  /// other, tiles too.
+  ComposeRowGrads<A> row_grads(const ComposeSide<A>& side, int which, index_t t, index_t i) {
+    ComposeRowGrads<A> r;
+    r.init(side, (which ? post_rg : pre_rg).data() + (t * Bq + i) * ComposeRowGrads<A>::size(side));
+    return r;
+  }
   /// Tile t's accumulator of one side's static-weight gradient (side 0: pre), or null without W.
   A* dw_of(const ComposeSide<A>& side, int which, index_t t) {
     return side.has_w ? dw_tile.data() + (t * 2 + which) * side.M * side.M : nullptr;
@@ -230,14 +227,23 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     const KeyRange keys = mask.rows(b, t0, std::min(d.T, t0 + Bq));
     return (std::max<index_t>(keys.end - keys.begin, 0) + tw - 1) / tw;
   };
-  // Head m's live rows of the block at t0 into qall / oall, if the block has keys.
-  auto pack_head = [&](index_t t0, index_t m) {
-    if (tiles_of(t0) == 0) return;
-    index_t lo, hi;
-    mask.live_rows(b, t0, std::min(d.T, t0 + Bq), lo, hi);
-    const index_t h = g * M + m, nl = std::max<index_t>(hi - lo, 0);
-    pack_rows<A>(nl, D, row_ptr(q, b, h, t0 + lo), q.stride[2], qall + (m * Bq + lo) * D, D, scale);
-    pack_rows<A>(nl, Dv, row_ptr(dout, b, h, t0 + lo), dout.stride[2], oall + (m * Bq + lo) * Dv, Dv);
+  // The rows of the block at t0 that enter the products: [lo, lo + n), none if it sees no keys.
+  struct LiveRows {
+    index_t lo = 0, n = 0;
+  };
+  auto live_rows_of = [&](index_t t0) {
+    LiveRows r;
+    if (tiles_of(t0) == 0) return r;
+    index_t hi;
+    mask.live_rows(b, t0, std::min(d.T, t0 + Bq), r.lo, hi);
+    r.n = std::max<index_t>(hi - r.lo, 0);
+    return r;
+  };
+  // Head m's live rows of the block at t0 into qall / oall.
+  auto pack_head = [&](index_t t0, const LiveRows& r, index_t m) {
+    const index_t h = g * M + m;
+    pack_rows<A>(r.n, D, row_ptr(q, b, h, t0 + r.lo), q.stride[2], qall + (m * Bq + r.lo) * D, D, scale);
+    pack_rows<A>(r.n, Dv, row_ptr(dout, b, h, t0 + r.lo), dout.stride[2], oall + (m * Bq + r.lo) * Dv, Dv);
   };
 
   index_t s0, s1;
@@ -247,7 +253,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   ws.pass1.reset(tid, nth, tiles_of(0));
   index_t m0, m1;
   split_range(0, M, tid, nth, 1, m0, m1);
-  for (index_t m = m0; m < m1; ++m) pack_head(0, m);  // later blocks' are packed in the dQ loop
+  const LiveRows first = live_rows_of(0);
+  for (index_t m = m0; m < m1; ++m) pack_head(0, first, m);  // later blocks' are packed in the dQ loop
   const index_t heads_base = ws.heads_taken.load(std::memory_order_relaxed);
   team.sync();
   for (index_t t0 = 0, block = 0; t0 < d.T; t0 += Bq, ++block) {
@@ -284,20 +291,22 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       return tk;
     };
 
-    // Tile `tile`'s sums of one side's query-wise and static-weight gradients, zeroed.
-    auto tile_grads = [&](const ComposeSide<A>& side, int which, index_t tile) {
-      ComposeRowGrads<A>* rg = (which ? ws.post_rg : ws.pre_rg).data() + tile * Bq;
+    // Zeroes tile `tile`'s sums of one side's query-wise gradients (its rows [lo, hi), one run)
+    // and static-weight gradient; returns the latter.
+    auto zero_tile_grads = [&](const ComposeSide<A>& side, int which, index_t tile) {
+      if (side.has_q && hi > lo) {
+        const ComposeRowGrads<A> r = ws.row_grads(side, which, tile, lo);
+        std::fill(r.sums, r.sums + (hi - lo) * r.count, A(0));
+      }
       A* dw = ws.dw_of(side, which, tile);
-      if (side.has_q)
-        for (index_t i = lo; i < hi; ++i) rg[i].zero();
       if (dw) std::fill(dw, dw + M * M, A(0));
-      return std::make_pair(rg, dw);
+      return dw;
     };
 
     // Pass 1.
     for (index_t tile; (tile = ws.pass1.take(tid)) >= 0;) {
       const auto [cs, ce, n, Ps, Ls, dPs] = tile_keys(tile);
-      const auto [post_rg, dw_post_tile] = tile_grads(post, 1, tile);
+      A* const dw_post_tile = zero_tile_grads(post, 1, tile);
       for (index_t m = 0; m < M; ++m) {
         const index_t hk = (g * M + m) / group_of_kv;
         // Scores from the packed, scaled Q rows (contiguous) rather than the caller's (a page apart).
@@ -346,7 +355,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
             A* gp = dPs + i * rs + (s - cs);
-            post_bwd(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, gp, tw, gp, tw, post_rg[i],
+            ComposeRowGrads<A> rg = ws.row_grads(post, 1, tile, i);
+            post_bwd(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, gp, tw, gp, tw, rg,
                      ws.post_kg, dw_post_tile, scratch.data(), i + 1 < hi ? gp + rs : nullptr, tw);
           }
         }
@@ -367,7 +377,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       }
     for (index_t tile; (tile = ws.pass2.take(tid)) >= 0;) {
       const auto [cs, ce, n, Ps, Ls, dPs] = tile_keys(tile);
-      const auto [pre_rg, dw_pre_tile] = tile_grads(pre, 0, tile);
+      A* const dw_pre_tile = zero_tile_grads(pre, 0, tile);
       // The slabs were written in pass 1, long enough ago to have left the cache.
       for (index_t i = lo; i < hi; ++i) {
         for (index_t m = 0; m < M; ++m) {
@@ -384,7 +394,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
             A* gp = dPs + i * rs + (s - cs);
-            pre_bwd(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, gp, tw, gp, tw, pre_rg[i],
+            ComposeRowGrads<A> rg = ws.row_grads(pre, 0, tile, i);
+            pre_bwd(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, gp, tw, gp, tw, rg,
                     ws.pre_kg, dw_pre_tile, scratch.data(), i + 1 < hi ? Ls + (i + 1) * rs + (s - cs) : nullptr, tw);
           }
         }
@@ -401,6 +412,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     // asked for ahead (the next tile's; after the last, head m + 1's first, which another thread
     // may take, but its K rows are then on their way into L3).
     const index_t heads_ticket = heads_base + block * (M + nth);
+    const LiveRows next_block = live_rows_of(t1);
     for (index_t m; (m = ws.heads_taken.fetch_add(1, std::memory_order_relaxed) - heads_ticket) < M;) {
       const index_t hk = (g * M + m) / group_of_kv;
       for (index_t tile = 0; tile < ntiles; ++tile) {
@@ -427,15 +439,17 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       }
       // The next block's rows of this head: pass 2 has read this block's (dK), and the next
       // block's pass 1 starts after the barrier below. Shared, so packed once, not per thread.
-      pack_head(t1, m);
+      pack_head(t1, next_block, m);
     }
     // The query-wise gradients and the static weights', summed over the tiles in tile order.
     index_t r0, r1;
     split_range(0, nr, tid, nth, 1, r0, r1);
     for (index_t i = r0; i < r1; ++i) {
       const index_t count = i >= lo && i < hi ? ntiles : 0;
-      store_row_grads(pre, ws.pre_rg.data(), Bq, count, i, dcw.pre, b, t0 + i, g, scratch.data());
-      store_row_grads(post, ws.post_rg.data(), Bq, count, i, dcw.post, b, t0 + i, g, scratch.data());
+      store_row_grads(pre, ws.row_grads(pre, 0, 0, i).sums, Bq * ComposeRowGrads<A>::size(pre), count,
+                      dcw.pre, b, t0 + i, g, scratch.data());
+      store_row_grads(post, ws.row_grads(post, 1, 0, i).sums, Bq * ComposeRowGrads<A>::size(post), count,
+                      dcw.post, b, t0 + i, g, scratch.data());
     }
     if (tid == 0)
       for (int which = 0; which < 2; ++which) {

@@ -244,7 +244,6 @@ struct ComposeRowGrads {
     count = size(c);
     sums = memory;
   }
-  void zero() { std::fill(sums, sums + count, A(0)); }
   A* qw1() { return sums; }
   A* qw2() { return sums + n1; }
   A* qdd() { return sums + 2 * n1; }
