@@ -129,12 +129,17 @@ struct ForwardWorkspace : SlabLayout {
   A* slab_of(int rank, index_t t) { return panel + slab_offset(rank, t); }
 
  private:
-  /// A tile's slab, M x Bq x tile values, is produced and consumed while it is still in L2 (half
-  /// of it). Sweeping the whole panel once per step instead made DCMHA memory-bound (tens of MiB
-  /// at M = 32).
+  /// A tile's slab, M x Bq x tile values, is produced and consumed tile by tile, about L2-sized
+  /// (sweeping the whole panel once per step instead made DCMHA memory-bound: tens of MiB at
+  /// M = 32). 2 MiB: at H32/D128 and 128-row blocks, 128-key tiles instead of 32, so the P'V
+  /// products update each head's output rows (64 KiB, from L3) four times less often and
+  /// Compose and the softmax run on longer rows. A/B of the DCMHA forward against 512 KiB on a
+  /// Zen 4 (1 MiB L2): H32/D128/T2048 0.925 (and 0.925 at 1, 4 MiB), T1024 0.980, H16/D64/T2048
+  /// 0.943, T4096 0.933; 1, 2 and 4 MiB within 2% of each other. On a Zen 3 (512 KiB L2) 1 MiB
+  /// had measured 0.94-1.06.
   void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size, index_t rows) {
     Bq = rows;
-    init_slabs<A>(d.M, Bq, 1, index_t(512) << 10, mask.max_block_keys(Bq), team_size);
+    init_slabs<A>(d.M, Bq, 1, index_t(2) << 20, mask.max_block_keys(Bq), team_size);
   }
   index_t o_part_size(const detail::AttentionDims& d, int team_size) const {
     return team_size * d.M * Bq * d.Dv;
