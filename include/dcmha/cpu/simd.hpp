@@ -52,18 +52,11 @@ inline void add_lane_sums(const A* v, index_t count, A* out) {
       __m256 x[8];
       for (int i = 0; i < 8; ++i) {
         const float* p = v + (k + i) * L;
-        if constexpr (L == 8) {
-          x[i] = _mm256_loadu_ps(p);
-        } else {
-#if defined(__AVX512F__)
-          const __m512 w = _mm512_loadu_ps(p);
-          // The upper half through the AVX512F 64-bit extract (the 32-bit one needs AVX512DQ).
-          const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w), 1));
-          x[i] = _mm256_add_ps(_mm512_castps512_ps256(w), hi);
-#else
-          x[i] = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));  // DCMHA_VECTOR_BYTES=64
-#endif
-        }
+        // A 16-float vector as two 8-float halves loaded apart: the same work as a 512-bit load
+        // and an extract, without GCC 12.2's -Wmaybe-uninitialized false positive on the
+        // extract intrinsics (their _mm256_undefined_pd), and the same code under
+        // DCMHA_VECTOR_BYTES=64 on AVX2.
+        x[i] = L == 8 ? _mm256_loadu_ps(p) : _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
       }
       // hadd pairs twice: lane half h of b0 holds the four sums of x0..x3's half h, b1 of x4..x7.
       const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
