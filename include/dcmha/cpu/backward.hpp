@@ -167,8 +167,16 @@ struct BackwardWorkspace : SlabLayout {
  private:
   void layout(const detail::AttentionDims& d, const RowMask& mask) {
     const index_t M = d.M;
-    // One team shares the three panels, so they get a larger budget than one forward panel.
-    Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(64)), d.T, 3, index_t(48) << 20);
+    // Every query block reads K and V and updates dK and dV for all M heads over its keys
+    // (64 MiB at H32/D128/T2048, from DRAM), so fewer, larger blocks move less: one set of
+    // panels gets 128 MiB and up to 128 rows. A/B of the DCMHA backward on a Zen 4, 128 rows
+    // against 64 (56 at T2048, 48 MiB): H32/D128/T1024 0.912 and 0.966, T2048 0.843, 0.845 and
+    // 0.885, T512 1.004 and 1.008, H16/D64/T1024 0.966, T2048 0.887, T4096 0.801. Long
+    // sequences get fewer rows (40 at H16/T16384, was 32: 126 MB of panels, about what the
+    // forward's two per-thread panels already take from the same Workspace). The layout must
+    // not depend on the thread count: it fixes the order of the per-tile sums, which keeps the
+    // gradients bitwise the same for every count.
+    Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(64)), d.T, 3, index_t(128) << 20, 128);
     // Keys per tile: the tile's slabs of the three panels (3 x M x Bq x tile values) are
     // produced and consumed while they are in L2, as in the forward. Whole-panel sweeps made
     // every Compose step of the backward wait on memory (perf: half of its time on the panel loads).
@@ -495,7 +503,11 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
   const index_t cluster_heads = M / gcd_index(M, group_of_kv) * group_of_kv;
   const index_t groups_per_item = cluster_heads / M;
   const index_t items = d.B * (G / groups_per_item);
-  const bool independent = independent_items(items, nt);
+  // Whole items per thread need a set of panels each (up to 128 MiB, see layout): past 256 MiB
+  // in all, the team shares one set instead, item after item. Both give the same results.
+  const index_t panel_set = BackwardWorkspace<A>::memory_size(d, mask, cw);
+  const bool independent = independent_items(items, nt) &&
+                           (nt == 1 || double(nt) * double(panel_set) * sizeof(A) <= double(index_t(256) << 20));
 
   // Static weights' gradients: one M x M accumulator per (batch, group), summed over the batch in
   // a fixed order at the end, so the result does not depend on which thread ran which item.
@@ -521,12 +533,11 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
   }
   if (independent) {
     // Every thread's panels in one Workspace block (shared with the forward's, see there).
-    const index_t private_size = BackwardWorkspace<A>::memory_size(d, mask, cw);
-    A* panels = detail::WorkspaceAccess::shared<A>(mem, 0, nt * private_size);
+    A* panels = detail::WorkspaceAccess::shared<A>(mem, 0, nt * panel_set);
 #pragma omp parallel num_threads(nt)
     {
       BackwardWorkspace<A> ws;
-      ws.init(d, mask, cw, 1, panels + thread_id() * private_size);
+      ws.init(d, mask, cw, 1, panels + thread_id() * panel_set);
 #pragma omp for schedule(dynamic, 1)
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / (G / groups_per_item), g0 = it % (G / groups_per_item) * groups_per_item;
