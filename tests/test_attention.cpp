@@ -102,9 +102,9 @@ TYPED_TEST(AttentionVsReference, OfficialDcformerConfiguration) {
 }
 
 TYPED_TEST(AttentionVsReference, QueryBlockEdges) {
-  // Query blocks of 64 rows (both directions at these sizes): one block, one row more, one row
-  // less, two blocks exactly.
-  for (int64_t T : {63, 64, 65, 128, 129}) {
+  // Query blocks of 64 rows in the forward and 128 in the backward at these sizes: one block,
+  // one row more, one row less, two blocks exactly, for both.
+  for (int64_t T : {63, 64, 65, 127, 128, 129, 255, 256, 257}) {
     ProblemSpec s;
     s.B = 1; s.H = 2; s.Hk = 1; s.T = T; s.S = T; s.D = 4; s.Dv = 4; s.G = 1; s.Rq = 1; s.Rk = 2;
     s.causal = true;
