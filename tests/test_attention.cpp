@@ -156,9 +156,10 @@ TYPED_TEST(AttentionVsReference, ProductTileEdges) {
   // the few-rows path (T < 8). M = 8 and 64-row blocks give 256-key forward tiles: S = 255 / 256 /
   // 257 is one tile, exactly one, one plus a key; 600 crosses two tile boundaries, so the online
   // softmax rescales earlier tiles' sums (and their factors in pass 2). The backward's tiles hold
-  // three panels, 160 keys here: S = 161 is one plus a key, 600 crosses three boundaries (for
-  // every thread count: the backward's tiles do not depend on it).
-  for (int64_t S : {161, 255, 256, 257, 600}) {
+  // three panels: with T = S its 128-row blocks get 64-key tiles (float; 32 for double), so
+  // S = 129 ends on a one-key tile for both and 600 crosses several boundaries (for every thread
+  // count: the backward's tiles do not depend on it); T = 5 gives 256-key tiles.
+  for (int64_t S : {129, 161, 255, 256, 257, 600}) {
     for (int64_t T : {int64_t(5), S}) {
       ProblemSpec s;
       s.B = 1; s.H = 8; s.Hk = 4; s.T = T; s.S = S; s.D = 20; s.Dv = 13; s.G = 1; s.Rq = 2; s.Rk = 1;
@@ -540,9 +541,10 @@ TEST(Bf16Storage, RandomProblemsAreTheRoundedFloatResults) {
 }
 
 TEST(Bf16Storage, TileEdgesAreTheRoundedFloatResults) {
-  // Query blocks of 64 rows +-1, key tiles and thread splits (S around 16, 32, 64 multiples),
-  // decode-sized blocks (T < 8: the few-rows products), one team and whole items per thread.
-  for (int64_t T : {1, 3, 63, 65, 129}) {
+  // Query blocks of 64 rows +-1 (forward) and 128 +-1 (backward), key tiles and thread splits
+  // (S around 16, 32, 64 multiples), decode-sized blocks (T < 8: the few-rows products), one team
+  // and whole items per thread.
+  for (int64_t T : {1, 3, 63, 65, 127, 129}) {
     for (int64_t S : {T, int64_t(97)}) {
       ProblemSpec s;
       s.B = 1; s.H = 4; s.Hk = 2; s.T = T; s.S = std::max(S, T); s.D = 24; s.Dv = 17; s.G = 1;

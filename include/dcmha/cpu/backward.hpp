@@ -12,6 +12,7 @@
 // atomics. What sums over keys (D, the query-wise and static compose gradients) is kept per tile
 // and summed in tile order, and dQ is summed over the tiles a head at a time by one thread: the
 // results are the same for every thread count and schedule, bit for bit.
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <type_traits>
@@ -119,11 +120,12 @@ struct BackwardWorkspace : SlabLayout {
 
   /// Values of Workspace memory one team needs, whole cache lines (see
   /// ForwardWorkspace::memory_size).
+  /// `items`: the call's (batch, group) items (see backward()).
   template <class T>
   static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask,
-                             const ComposeWeights<T>& cw) {
+                             const ComposeWeights<T>& cw, index_t items) {
     BackwardWorkspace w;
-    w.layout(d, mask);
+    w.layout(d, mask, items);
     return round_up((cw.pre.enabled() ? 3 : 2) * w.panel_size(1) + w.Bq * d.M * (d.D + d.Dv),
                     64 / index_t(sizeof(A)));
   }
@@ -131,9 +133,9 @@ struct BackwardWorkspace : SlabLayout {
   /// `memory`: memory_size() values, written before they are read.
   template <class T>
   void init(const detail::AttentionDims& d, const RowMask& mask, const ComposeWeights<T>& cw,
-            int team_size, A* memory) {
+            int team_size, index_t items, A* memory) {
     const index_t M = d.M;
-    layout(d, mask);
+    layout(d, mask, items);
     pre.init(cw.pre, M, padded_stride<A>(d.S));  // key-wise terms of every key
     post.init(cw.post, M, padded_stride<A>(d.S));
     if (pre.has_k) pre_kg.init(pre);
@@ -165,21 +167,28 @@ struct BackwardWorkspace : SlabLayout {
   }
 
  private:
-  void layout(const detail::AttentionDims& d, const RowMask& mask) {
+  void layout(const detail::AttentionDims& d, const RowMask& mask, index_t items) {
     const index_t M = d.M;
     // Every query block reads K and V and updates dK and dV for all M heads over its keys
-    // (64 MiB at H32/D128/T2048, from DRAM), so fewer, larger blocks move less: one set of
-    // panels gets 128 MiB and up to 128 rows. A/B of the DCMHA backward on a Zen 4, 128 rows
-    // against 64 (56 at T2048, 48 MiB): H32/D128/T1024 0.912 and 0.966, T2048 0.843, 0.845 and
-    // 0.885, T512 1.004 and 1.008, H16/D64/T1024 0.966, T2048 0.887, T4096 0.801. Long
-    // sequences get fewer rows (40 at H16/T16384, was 32: 126 MB of panels, about what the
-    // forward's two per-thread panels already take from the same Workspace). The layout must
-    // not depend on the thread count: it fixes the order of the per-tile sums, which keeps the
-    // gradients bitwise the same for every count.
-    Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(64)), d.T, 3, index_t(128) << 20, 128);
-    // Keys per tile: the tile's slabs of the three panels (3 x M x Bq x tile values) are
-    // produced and consumed while they are in L2, as in the forward. Whole-panel sweeps made
-    // every Compose step of the backward wait on memory (perf: half of its time on the panel loads).
+    // (K and V: 64 MiB at H32/D128/T2048, from DRAM), so fewer, larger blocks move less in all:
+    // up to 128 rows, as many as the panel budget allows. A/B of the DCMHA backward on a Zen 4,
+    // 128 rows (128 MiB) against 64 (48 MiB; 56 rows at T2048): H32/D128/T1024 0.912 and 0.966,
+    // T2048 0.843, 0.845 and 0.885, T512 1.004 and 1.008, H16/D64/T1024 0.966, T2048 0.887,
+    // T4096 0.801. Whole items per thread each need a set (up to one per item): the sets stay
+    // within 256 MiB together, and none gets less than the 48 MiB every set had before. Windows
+    // keep 64 rows: each row of a block computes W + Bq - 1 keys (see the forward's
+    // block_rows). Long sequences get fewer rows (40 at H16/T16384, was 32: 126 MB of panels,
+    // about what the forward's two per-thread panels already take from the same Workspace). The
+    // layout must not depend on the thread count: it fixes the order of the per-tile sums,
+    // which keeps the gradients bitwise the same for every count.
+    const index_t budget = std::clamp<index_t>((index_t(256) << 20) / std::max<index_t>(items, 1),
+                                               index_t(48) << 20, index_t(128) << 20);
+    const index_t max_rows = mask.window > 0 ? 64 : 128;
+    Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(max_rows)), d.T, 3, budget, max_rows);
+    // Keys per tile: the tile's slabs of the three panels (3 x M x Bq x tile values, at least 32
+    // keys: 1.5 MiB at H32 with 128-row blocks) are produced and consumed while they are in L2
+    // or close to it, as in the forward. Whole-panel sweeps made every Compose step of the
+    // backward wait on memory (perf: half of its time on the panel loads).
     // One run of tiles over all keys of a block: any rank may take any tile.
     init_slabs<A>(M, Bq, 3, index_t(1024) << 10, mask.max_block_keys(Bq), 1);
   }
@@ -503,11 +512,8 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
   const index_t cluster_heads = M / gcd_index(M, group_of_kv) * group_of_kv;
   const index_t groups_per_item = cluster_heads / M;
   const index_t items = d.B * (G / groups_per_item);
-  // Whole items per thread need a set of panels each (up to 128 MiB, see layout): past 256 MiB
-  // in all, the team shares one set instead, item after item. Both give the same results.
-  const index_t panel_set = BackwardWorkspace<A>::memory_size(d, mask, cw);
-  const bool independent = independent_items(items, nt) &&
-                           (nt == 1 || double(nt) * double(panel_set) * sizeof(A) <= double(index_t(256) << 20));
+  const bool independent = independent_items(items, nt);
+  const index_t panel_set = BackwardWorkspace<A>::memory_size(d, mask, cw, items);
 
   // Static weights' gradients: one M x M accumulator per (batch, group), summed over the batch in
   // a fixed order at the end, so the result does not depend on which thread ran which item.
@@ -537,7 +543,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
 #pragma omp parallel num_threads(nt)
     {
       BackwardWorkspace<A> ws;
-      ws.init(d, mask, cw, 1, panels + thread_id() * panel_set);
+      ws.init(d, mask, cw, 1, items, panels + thread_id() * panel_set);
 #pragma omp for schedule(dynamic, 1)
       for (index_t it = 0; it < items; ++it) {
         const index_t b = it / (G / groups_per_item), g0 = it % (G / groups_per_item) * groups_per_item;
@@ -558,7 +564,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
     }
   } else {
     BackwardWorkspace<A> ws;
-    ws.init(d, mask, cw, nt, detail::WorkspaceAccess::shared<A>(mem, 0, BackwardWorkspace<A>::memory_size(d, mask, cw)));
+    ws.init(d, mask, cw, nt, items, detail::WorkspaceAccess::shared<A>(mem, 0, panel_set));
 #pragma omp parallel num_threads(nt)
     {
       const Team team{thread_id(), team_size()};

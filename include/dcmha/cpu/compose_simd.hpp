@@ -75,7 +75,7 @@ inline void compose_columns(index_t M, index_t ld, TermPointers<A> t, index_t j,
 /// compose_chunk. in_scale (per head, or null) multiplies the input first: the forward folds the
 /// softmax normalization 1/l into Compose_post this way instead of sweeping the panel once more.
 /// `next`: the next row's src (same layout, null for none), asked for a cache line per head as
-/// this row reaches the same columns. The panels' rows come from L3 at M = 32 (a slab is 512 KiB);
+/// this row reaches the same columns. The panels' rows come from L3 at M = 32 (a forward slab is 2 MiB);
 /// all M lines of the next row asked for at once before the call stalled on the prefetches
 /// (A/B of the DCMHA forward at H32/D128/T2048, spread against at once: 0.93-1.00 over seven
 /// runs, median 0.96).
