@@ -45,6 +45,21 @@ void check_against_reference(const ProblemSpec& spec, uint64_t seed, int threads
     EXPECT_LE(e.rel, tolerance<T>()) << e.name;
 }
 
+/// `values` followed by every gradient of g, in named_gradients' order.
+std::vector<double> with_gradients(std::vector<double> values, const dcmha::reference::Gradients& g) {
+  for (auto& [name, vec] : dcmha::test::named_gradients(g)) values.insert(values.end(), vec->begin(), vec->end());
+  return values;
+}
+
+/// The first index at which a and b differ bit for bit (or where the shorter one ends), -1 if
+/// they are the same.
+int64_t first_bitwise_difference(const std::vector<double>& a, const std::vector<double>& b) {
+  const size_t n = std::min(a.size(), b.size());
+  for (size_t i = 0; i < n; ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(double)) != 0) return int64_t(i);
+  return a.size() == b.size() ? -1 : int64_t(n);
+}
+
 SideSpec side_from_bits(unsigned bits) { return {bool(bits & 1), bool(bits & 2), bool(bits & 4)}; }
 
 /// Random shapes and switches, small enough for the reference. Sizes are drawn around the
@@ -329,14 +344,10 @@ TYPED_TEST(AttentionVsReference, DeterministicForAFixedThreadCount) {
       dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
       dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
                       tp.dv(), tp.compose(), tp.dcompose());
-      std::vector<double> all = tp.out_values();
-      const dcmha::reference::Gradients g = tp.gradients();
-      for (auto& [name, vec] : dcmha::test::named_gradients(g))
-        all.insert(all.end(), vec->begin(), vec->end());
+      const std::vector<double> all = with_gradients(tp.out_values(), tp.gradients());
       if (run == 0) first = all;
       else
-        for (size_t i = 0; i < all.size(); ++i)
-          ASSERT_EQ(std::memcmp(&first[i], &all[i], sizeof(double)), 0) << "B=" << B << " element " << i << " of " << all.size();
+        ASSERT_EQ(first_bitwise_difference(first, all), -1) << "B=" << B << " of " << all.size() << " values";
     }
   }
 }
@@ -361,18 +372,14 @@ TYPED_TEST(AttentionVsReference, BackwardBitwiseTheSameForEveryThreadCount) {
         tp.num_threads = threads;
         dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
                         tp.dv(), tp.compose(), tp.dcompose());
-        std::vector<double> all;
-        const dcmha::reference::Gradients g = tp.gradients();
-        for (auto& [name, vec] : dcmha::test::named_gradients(g))
-          all.insert(all.end(), vec->begin(), vec->end());
+        const std::vector<double> all = with_gradients({}, tp.gradients());
         if (threads == 2) {
           first = all;
           // Not all zero: a backward that wrote nothing would compare equal too.
           ASSERT_GT(std::count_if(all.begin(), all.end(), [](double x) { return x != 0; }), int64_t(all.size() / 2));
         } else {
-          for (size_t i = 0; i < all.size(); ++i)
-            ASSERT_EQ(std::memcmp(&first[i], &all[i], sizeof(double)), 0)
-                << s.str() << " threads=" << threads << " element " << i << " of " << all.size();
+          ASSERT_EQ(first_bitwise_difference(first, all), -1)
+              << s.str() << " threads=" << threads << " of " << all.size() << " values";
         }
       }
     }
@@ -409,12 +416,10 @@ TYPED_TEST(AttentionVsReference, BackwardKeyTilesWithWindowsAndPadding) {
       const dcmha::reference::Gradients g = tp.gradients();
       for (const auto& e : dcmha::test::gradient_errors(expected, g))
         EXPECT_LE(e.rel, tolerance<TypeParam>()) << e.name << " threads=" << threads;
-      std::vector<double> all;
-      for (auto& [name, vec] : dcmha::test::named_gradients(g)) all.insert(all.end(), vec->begin(), vec->end());
+      const std::vector<double> all = with_gradients({}, g);
       if (threads == 2) first = all;
       else
-        for (size_t i = 0; i < all.size(); ++i)
-          ASSERT_EQ(std::memcmp(&first[i], &all[i], sizeof(double)), 0) << "threads=" << threads << " element " << i;
+        ASSERT_EQ(first_bitwise_difference(first, all), -1) << "threads=" << threads;
     }
   }
 }
@@ -451,16 +456,10 @@ TYPED_TEST(AttentionVsReference, WorkspaceKeptBetweenCalls) {
     dcmha::forward(kept.config(), kept.q(), kept.k(), kept.v(), kept.out(), kept.lse(), kept.compose(), ws);
     dcmha::backward(kept.config(), kept.q(), kept.k(), kept.v(), kept.lse(), kept.dout(), kept.dq(), kept.dk(),
                     kept.dv(), kept.compose(), kept.dcompose(), ws);
-    auto all = [](const TypedProblem<T>& tp) {
-      std::vector<double> v = tp.out_values();
-      const dcmha::reference::Gradients g = tp.gradients();
-      for (auto& [name, vec] : dcmha::test::named_gradients(g)) v.insert(v.end(), vec->begin(), vec->end());
-      return v;
-    };
-    const std::vector<double> a = all(fresh), b = all(kept);
+    const std::vector<double> a = with_gradients(fresh.out_values(), fresh.gradients());
+    const std::vector<double> b = with_gradients(kept.out_values(), kept.gradients());
     ASSERT_EQ(a.size(), b.size());
-    for (size_t i = 0; i < a.size(); ++i)
-      ASSERT_EQ(std::memcmp(&a[i], &b[i], sizeof(double)), 0) << "element " << i << " of " << a.size();
+    ASSERT_EQ(first_bitwise_difference(a, b), -1) << "of " << a.size() << " values";
     EXPECT_GT(ws.bytes(), 0u);
     if (c >= 4) {  // shapes seen before: everything reused, nothing grown
       EXPECT_EQ(ws.bytes(), held_before);
@@ -503,9 +502,7 @@ std::vector<double> run_all(const dcmha::reference::Problem& p, const std::vecto
   std::vector<double> all = tp.out_values();
   const std::vector<double> lse = tp.lse_values();
   all.insert(all.end(), lse.begin(), lse.end());
-  const dcmha::reference::Gradients g = tp.gradients();
-  for (auto& [name, vec] : dcmha::test::named_gradients(g)) all.insert(all.end(), vec->begin(), vec->end());
-  return all;
+  return with_gradients(std::move(all), tp.gradients());
 }
 
 /// bf16 storage against float storage on the same (bf16-valued) inputs: equal after rounding

@@ -277,12 +277,11 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   for (index_t t0 = 0, block = 0; t0 < d.T; t0 += Bq, ++block) {
     const index_t t1 = std::min(d.T, t0 + Bq), nr = t1 - t0;
     const KeyRange keys = mask.rows(b, t0, t1);
-    index_t lo, hi;
-    mask.live_rows(b, t0, t1, lo, hi);
-    // Only rows [lo, hi) see keys. The others (padding, causal rows before the first key) get
-    // zero gradients and are never read: the caller's Q and dO rows there may hold anything,
-    // and a zero probability times a NaN is still NaN.
-    const index_t nl = std::max<index_t>(hi - lo, 0);
+    // Only rows [lo, hi) see keys (the rows whose Q and dO were packed). The others (padding,
+    // causal rows before the first key) get zero gradients and are never read: the caller's Q
+    // and dO rows there may hold anything, and a zero probability times a NaN is still NaN.
+    const LiveRows live = live_rows_of(t0);
+    const index_t lo = live.lo, nl = live.n, hi = lo + nl;
     const index_t c0 = keys.begin, ntiles = tiles_of(t0), c1 = std::min(keys.end, c0 + ntiles * tw);
     ws.pass2.reset(tid, nth, ntiles);  // its last take() was before the previous block's barrier
     for (index_t i = 0; i < nr; ++i) {

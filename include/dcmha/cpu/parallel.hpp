@@ -80,8 +80,8 @@ struct Team {
 /// A static split made the whole team wait at every barrier for its slowest thread, and the
 /// vCPUs of a shared VM run at speeds that differ by up to 2x for tenths of a second (measured on
 /// the development VM; a busy sibling hyperthread on the host): the backward's barriers cost
-/// 7-10% of its time there. Who takes which
-/// tile varies from run to run, so whatever sums over tiles must do so per tile, in tile order.
+/// 7-10% of its time there. Who takes which tile varies from run to run, so whatever sums over
+/// tiles must do so per tile, in tile order.
 class TileQueue {
  public:
   /// Sized for `ranks` ranks, before the team starts.
