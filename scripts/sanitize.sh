@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Build the tests with a sanitizer and run every one of them.
+#
+#   bash scripts/sanitize.sh asan   # AddressSanitizer + UndefinedBehaviorSanitizer (g++, -O1 -g)
+#   bash scripts/sanitize.sh tsan   # ThreadSanitizer (clang + LLVM's libomp and its Archer tool)
+#
+# Every report is fatal. Tests shrink the few problems that are large for their purpose (the
+# DCMHA_TEST_SANITIZED definition, tests/support/sanitizer.hpp), so every test still runs.
+# Environment: BUILD_DIR (default build-asan / build-tsan), JOBS (default: all cores).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+# shellcheck source=scripts/lib.sh
+source "$ROOT/scripts/lib.sh"
+
+KIND="${1:-}"
+JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
+case "$KIND" in
+  asan)
+    dcmha_require_packages cmake make g++ libeigen3-dev libgtest-dev libbenchmark-dev
+    compiler=(-DCMAKE_CXX_COMPILER=g++)
+    sanitize=address
+    ;;
+  tsan)
+    # libomp-14-dev: LLVM's OpenMP runtime with libarcher; libclang-rt-14-dev: TSan's runtime.
+    dcmha_require_packages cmake make clang libomp-14-dev libclang-rt-14-dev libeigen3-dev \
+      libgtest-dev libbenchmark-dev
+    compiler=(-DCMAKE_CXX_COMPILER=clang++)
+    sanitize=thread
+    ;;
+  *) die "usage: bash scripts/sanitize.sh {asan|tsan}" ;;
+esac
+BUILD_DIR="${BUILD_DIR:-build-$KIND}"
+
+# Optimized (-O1) so that the suite finishes; -g for the reports' stack traces. Benchmarks and
+# examples are built too: their smoke tests belong to the suite.
+step "configure ($BUILD_DIR, $KIND)"
+cmake -S . -B "$BUILD_DIR" "${compiler[@]}" -DDCMHA_SANITIZE="$sanitize" \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" \
+  -DDCMHA_BUILD_TESTS=ON -DDCMHA_BUILD_BENCHMARKS=ON -DDCMHA_BUILD_EXAMPLES=ON >/dev/null
+
+step "build (-j$JOBS)"
+cmake --build "$BUILD_DIR" -j "$JOBS"
+
+step "ctest under $KIND"
+start=$(date +%s)
+status=0
+(cd "$BUILD_DIR" && ctest --output-on-failure) | tee "$BUILD_DIR/ctest.log" || status=$?
+summary=$(grep -E 'tests passed|tests failed' "$BUILD_DIR/ctest.log" | tail -n 1)
+# The last line is the summary scripts/test.sh recaps.
+echo "$KIND: ${summary:-ctest did not finish} ($(($(date +%s) - start)) s)"
+exit "$status"
