@@ -30,9 +30,13 @@ template <class T>
 void forward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,
                   TensorView<const T, 4> v, TensorView<T, 4> out, TensorView<acc_t<T>, 3> lse,
                   const ComposeWeights<T>& compose, Workspace* workspace) {
-  const AttentionDims dims = validate_forward("dcmha::forward", cfg, q, k, v, out, lse, compose);
-  WorkspaceAccess::CallMemory mem("dcmha::forward", workspace);
-  cpu::forward(cfg, dims, q, k, v, out, lse, compose, mem.get());
+  const char* fn = "dcmha::forward";
+  with_allocation_errors(fn, [&] {  // validation allocates too (names in messages)
+    const AttentionDims dims = validate_forward(fn, cfg, q, k, v, out, lse, compose);
+    check_kernel_sizes(dims, compose, cpu::thread_count(cfg.num_threads));
+    WorkspaceAccess::CallMemory mem(fn, workspace);
+    cpu::forward(cfg, dims, q, k, v, out, lse, compose, mem.get());
+  });
 }
 
 template <class T>
@@ -41,10 +45,13 @@ void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorV
                    TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
                    TensorView<T, 4> dv, const ComposeWeights<T>& compose,
                    const ComposeGrads<T>& dcompose, Workspace* workspace) {
-  const AttentionDims dims = validate_backward("dcmha::backward", cfg, q, k, v, lse, dout, dq, dk,
-                                               dv, compose, dcompose);
-  WorkspaceAccess::CallMemory mem("dcmha::backward", workspace);
-  cpu::backward(cfg, dims, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, mem.get());
+  const char* fn = "dcmha::backward";
+  with_allocation_errors(fn, [&] {
+    const AttentionDims dims = validate_backward(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
+    check_kernel_sizes(dims, compose, cpu::thread_count(cfg.num_threads));
+    WorkspaceAccess::CallMemory mem(fn, workspace);
+    cpu::backward(cfg, dims, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, mem.get());
+  });
 }
 }  // namespace detail
 

@@ -51,7 +51,7 @@ class Workspace {
   /// Frees all memory held; the next call allocates again.
   void release() {
     for (Block& b : blocks_) b.free();
-    blocks_.clear();
+    std::vector<Block>().swap(blocks_);  // the table too
   }
 
  private:
@@ -68,9 +68,13 @@ class Workspace {
 
     template <class S>
     S* get(index_t count) {
-      const std::size_t need = (std::size_t(count > 0 ? count : 1) * sizeof(S) + kAlign - 1) / kAlign * kAlign;
+      const std::size_t n = std::size_t(count > 0 ? count : 1);
+      if (n > (std::numeric_limits<std::size_t>::max() - kAlign) / sizeof(S))
+        throw AllocationError(detail::concat("a workspace block of ", n, " values of ", sizeof(S),
+                                             " bytes exceeds the address space"));
+      const std::size_t need = (n * sizeof(S) + kAlign - 1) / kAlign * kAlign;
       if (need > bytes) {
-        free();
+        free();  // first: the old block is not needed, and a failure must not leave both held
         p = ::operator new(need, std::align_val_t(kAlign));
         bytes = need;
       }

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -194,6 +195,31 @@ struct BackwardWorkspace : SlabLayout {
   }
 };
 
+/// One thread's buffers for backward_group, made once per call before the team starts, so that
+/// no allocation can fail once outputs are being written.
+template <class A>
+struct BackwardThreadBuffers {
+  std::vector<ComposeRow<A>> pre_rows, post_rows;  // query-wise terms of each row of a block
+  Buffer<A> scratch;
+  Buffer<A> row_d;    // [row][m]: D summed over the tiles
+  Buffer<A> dq_rows;  // one head's dQ rows of the block, summed over the tiles
+  // In the Workspace: P' of one tile ([row][m][key]) and a key tile of K or V packed for the
+  // tile products (gemm.hpp).
+  A* ptile = nullptr;
+  A* kbuf = nullptr;
+
+  /// For thread `thread` of a call whose team works with `ws` (initialized).
+  BackwardThreadBuffers(const BackwardWorkspace<A>& ws, const detail::AttentionDims& d, Workspace& mem,
+                        int thread)
+      : pre_rows(ws.Bq), post_rows(ws.Bq), scratch(std::max(ws.pre.scratch_size(), ws.post.scratch_size())),
+        row_d(ws.Bq * d.M), dq_rows(ws.Bq * d.D) {
+    for (auto& r : pre_rows) r.init(ws.pre);
+    for (auto& r : post_rows) r.init(ws.post);
+    if (ws.post.on) ptile = detail::WorkspaceAccess::per_thread<A>(mem, thread, 0, ws.slab);
+    kbuf = detail::WorkspaceAccess::per_thread<A>(mem, thread, 1, std::max(d.D, d.Dv) * ws.tile);
+  }
+};
+
 /// One (batch, group): every query block of it, the keys shared across the team. dk and dv: the
 /// accumulators of dK and dV (the caller's tensors, or float ones for narrow storage), zero on
 /// entry for the group's kv heads. dw_pre / dw_post: the accumulators of the static weights'
@@ -211,7 +237,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
                     TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<const A, 3> lse,
                     TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<A, 4> dk,
                     TensorView<A, 4> dv, const ComposeWeights<T>& cw, const ComposeGrads<T>& dcw,
-                    A* dw_pre, A* dw_post, Workspace& mem) {
+                    A* dw_pre, A* dw_post, BackwardThreadBuffers<A>& buffers) {
   using namespace detail_bwd;
   const int tid = team.rank, nth = team.size;
   const index_t M = d.M, D = d.D, Dv = d.Dv, group_of_kv = d.H / d.Hk;
@@ -219,22 +245,19 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   ComposeSide<A>& pre = ws.pre;
   ComposeSide<A>& post = ws.post;
 
-  std::vector<ComposeRow<A>> pre_rows(Bq), post_rows(Bq);
-  for (auto& r : pre_rows) r.init(pre);
-  for (auto& r : post_rows) r.init(post);
-  Buffer<A> scratch(std::max(pre.scratch_size(), post.scratch_size()));
+  std::vector<ComposeRow<A>>& pre_rows = buffers.pre_rows;
+  std::vector<ComposeRow<A>>& post_rows = buffers.post_rows;
+  Buffer<A>& scratch = buffers.scratch;
   const ComposeFn<A> pre_fn(pre), post_fn(post);
   const ComposeBackwardFn<A> pre_bwd(pre), post_bwd(post);
-  // This thread's buffers in the Workspace: P' of one tile ([row][m][key]) and a key tile of K
-  // or V packed for the tile products (gemm.hpp). The team's: this block's rows of Q (scaled)
-  // and dO for every head, packed once per block and shared by every tile.
-  const int me = thread_id();
-  A* ptile = post.on ? detail::WorkspaceAccess::per_thread<A>(mem, me, 0, ws.slab) : nullptr;
-  A* kbuf = detail::WorkspaceAccess::per_thread<A>(mem, me, 1, std::max(D, Dv) * tw);
+  A* const ptile = buffers.ptile;
+  A* const kbuf = buffers.kbuf;
+  // The team's: this block's rows of Q (scaled) and dO for every head, packed once per block and
+  // shared by every tile.
   A* qall = ws.qall;
   A* oall = ws.oall;
-  Buffer<A> row_d(Bq * M);  // [row][m]: D summed over the tiles
-  Buffer<A> dq_rows(Bq * D);  // one head's dQ rows of the block, summed over the tiles
+  Buffer<A>& row_d = buffers.row_d;
+  Buffer<A>& dq_rows = buffers.dq_rows;
   // The same keys of the next kv head, for the packing routines to prefetch.
   auto next_head = [&](const TensorView<const T, 4>& x, index_t m, index_t p) {
     return next_kv_rows(x, b, g * M + m, g * M + M, group_of_kv, p);
@@ -524,6 +547,7 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
   };
 
   detail::WorkspaceAccess::reserve_slots(mem, nt);
+  RegionErrors errors;
   // dK and dV sum over every query block: with narrow storage, in float accumulators, rounded
   // once at the end (bf16 sums over hundreds of blocks would lose the gradient's low bits).
   TensorView<A, 4> dk_acc, dv_acc;
@@ -542,22 +566,29 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
 #pragma omp parallel num_threads(nt)
     {
       BackwardWorkspace<A> ws;
-      ws.init(d, mask, cw, 1, items, panels + thread_id() * panel_set);
+      std::optional<BackwardThreadBuffers<A>> buffers;
+      errors.attempt([&] {
+        ws.init(d, mask, cw, 1, items, panels + thread_id() * panel_set);
+        buffers.emplace(ws, d, mem, thread_id());
+      });
+      barrier();
+      if (!errors.failed()) {
 #pragma omp for schedule(dynamic, 1)
-      for (index_t it = 0; it < items; ++it) {
-        const index_t b = it / (G / groups_per_item), g0 = it % (G / groups_per_item) * groups_per_item;
-        const index_t hk0 = g0 * M / group_of_kv, hk1 = (g0 + groups_per_item) * M / group_of_kv;
-        for (index_t hk = hk0; hk < hk1; ++hk)
-          for (index_t s = 0; s < d.S; ++s) {
-            mutable_rows_of(dk_acc, b, hk, s, 1).setZero();
-            mutable_rows_of(dv_acc, b, hk, s, 1).setZero();
+        for (index_t it = 0; it < items; ++it) {
+          const index_t b = it / (G / groups_per_item), g0 = it % (G / groups_per_item) * groups_per_item;
+          const index_t hk0 = g0 * M / group_of_kv, hk1 = (g0 + groups_per_item) * M / group_of_kv;
+          for (index_t hk = hk0; hk < hk1; ++hk)
+            for (index_t s = 0; s < d.S; ++s) {
+              mutable_rows_of(dk_acc, b, hk, s, 1).setZero();
+              mutable_rows_of(dv_acc, b, hk, s, 1).setZero();
+            }
+          for (index_t g = g0; g < g0 + groups_per_item; ++g)
+            backward_group(Team{0, 1}, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc, dv_acc,
+                           cw, dcw, dw_slot(dw_pre, b, g), dw_slot(dw_post, b, g), *buffers);
+          if constexpr (narrow) {
+            narrow_rows(dk_acc, dk, (b * d.Hk + hk0) * d.S, (b * d.Hk + hk1) * d.S);
+            narrow_rows(dv_acc, dv, (b * d.Hk + hk0) * d.S, (b * d.Hk + hk1) * d.S);
           }
-        for (index_t g = g0; g < g0 + groups_per_item; ++g)
-          backward_group(Team{0, 1}, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc, dv_acc,
-                         cw, dcw, dw_slot(dw_pre, b, g), dw_slot(dw_post, b, g), mem);
-        if constexpr (narrow) {
-          narrow_rows(dk_acc, dk, (b * d.Hk + hk0) * d.S, (b * d.Hk + hk1) * d.S);
-          narrow_rows(dv_acc, dv, (b * d.Hk + hk0) * d.S, (b * d.Hk + hk1) * d.S);
         }
       }
     }
@@ -567,21 +598,27 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
 #pragma omp parallel num_threads(nt)
     {
       const Team team{thread_id(), team_size()};
-      zero_rows(dk_acc, team.rank, team.size);
-      zero_rows(dv_acc, team.rank, team.size);
-      team.sync();
-      for (index_t b = 0; b < d.B; ++b)
-        for (index_t g = 0; g < G; ++g)
-          backward_group(team, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc, dv_acc, cw, dcw,
-                         dw_slot(dw_pre, b, g), dw_slot(dw_post, b, g), mem);
-      if constexpr (narrow) {  // backward_group ends at a barrier: every block has added its part
-        index_t r0, r1;
-        split_range(0, d.B * d.Hk * d.S, team.rank, team.size, 1, r0, r1);
-        narrow_rows(dk_acc, dk, r0, r1);
-        narrow_rows(dv_acc, dv, r0, r1);
+      std::optional<BackwardThreadBuffers<A>> buffers;
+      errors.attempt([&] { buffers.emplace(ws, d, mem, thread_id()); });
+      barrier();
+      if (!errors.failed()) {
+        zero_rows(dk_acc, team.rank, team.size);
+        zero_rows(dv_acc, team.rank, team.size);
+        team.sync();
+        for (index_t b = 0; b < d.B; ++b)
+          for (index_t g = 0; g < G; ++g)
+            backward_group(team, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc, dv_acc, cw, dcw,
+                           dw_slot(dw_pre, b, g), dw_slot(dw_post, b, g), *buffers);
+        if constexpr (narrow) {  // backward_group ends at a barrier: every block has added its part
+          index_t r0, r1;
+          split_range(0, d.B * d.Hk * d.S, team.rank, team.size, 1, r0, r1);
+          narrow_rows(dk_acc, dk, r0, r1);
+          narrow_rows(dv_acc, dv, r0, r1);
+        }
       }
     }
   }
+  errors.rethrow_first();
 
   for (int side = 0; side < 2; ++side) {
     Buffer<A>& parts = side ? dw_post : dw_pre;

@@ -14,6 +14,7 @@
 // backward hands out key tiles dynamically instead (backward.hpp).
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -402,23 +403,31 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
   const index_t private_size = ForwardWorkspace<A>::memory_size(d, mask, 1, Bq);
   detail::WorkspaceAccess::reserve_slots(mem, nt);
 
+  RegionErrors errors;
   if (independent_items(items, nt)) {
     // Many (batch, group) items: each thread takes whole ones and never waits on another.
     A* panels = detail::WorkspaceAccess::shared<A>(mem, 0, nt * private_size);
 #pragma omp parallel num_threads(nt)
     {
       ForwardWorkspace<A> ws;
-      ws.init(d, mask, 1, Bq, panels + thread_id() * private_size);
       ComposeSides<A> sides;
-      sides.init(d, cw, ring);
-      ForwardRows<A> rows(sides, ws, d, narrow);
+      std::optional<ForwardRows<A>> rows;
+      errors.attempt([&] {
+        ws.init(d, mask, 1, Bq, panels + thread_id() * private_size);
+        sides.init(d, cw, ring);
+        rows.emplace(sides, ws, d, narrow);
+      });
+      barrier();
+      if (!errors.failed()) {
 #pragma omp for schedule(dynamic, 1)
-      for (index_t it = 0; it < items; ++it) {
-        const index_t b = it / d.G, g = it % d.G;
-        sides.load(Team{0, 1}, cw, d.S, b, g, ring);
-        forward_blocks(Team{0, 1}, ws, rows, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
+        for (index_t it = 0; it < items; ++it) {
+          const index_t b = it / d.G, g = it % d.G;
+          sides.load(Team{0, 1}, cw, d.S, b, g, ring);
+          forward_blocks(Team{0, 1}, ws, *rows, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
+        }
       }
     }
+    errors.rethrow_first();
     return;
   }
   ComposeSides<A> sides;
@@ -432,16 +441,21 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
     {
       const Team team{thread_id(), team_size()};
       ForwardWorkspace<A> ws;
-      ws.init(d, mask, 1, Bq, panels + team.rank * private_size);
-      ForwardRows<A> rows(sides, ws, d, narrow);
-      for (index_t it = 0; it < items; ++it) {
+      std::optional<ForwardRows<A>> rows;
+      errors.attempt([&] {
+        ws.init(d, mask, 1, Bq, panels + team.rank * private_size);
+        rows.emplace(sides, ws, d, narrow);
+      });
+      barrier();
+      for (index_t it = 0; it < items && !errors.failed(); ++it) {
         const index_t b = it / d.G, g = it % d.G;
         sides.load(team, cw, d.S, b, g, ring);
 #pragma omp for schedule(dynamic, 1)
         for (index_t blk = blocks - 1; blk >= 0; --blk)
-          forward_blocks(Team{0, 1}, ws, rows, sides, mask, scale, d, b, g, blk, blk + 1, q, k, v, out, lse, cw, ring);
+          forward_blocks(Team{0, 1}, ws, *rows, sides, mask, scale, d, b, g, blk, blk + 1, q, k, v, out, lse, cw, ring);
       }
     }
+    errors.rethrow_first();
     return;
   }
   // Few rows (decoding, short prompts): the whole team shares each block's keys.
@@ -450,14 +464,17 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};
-    ForwardRows<A> rows(sides, ws, d, narrow);
-    for (index_t it = 0; it < items; ++it) {
+    std::optional<ForwardRows<A>> rows;
+    errors.attempt([&] { rows.emplace(sides, ws, d, narrow); });
+    barrier();
+    for (index_t it = 0; it < items && !errors.failed(); ++it) {
       const index_t b = it / d.G, g = it % d.G;
       sides.load(team, cw, d.S, b, g, ring);
-      forward_blocks(team, ws, rows, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
+      forward_blocks(team, ws, *rows, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
       team.sync();  // the next item reloads the shared compose inputs
     }
   }
+  errors.rethrow_first();
 }
 
 }  // namespace dcmha::cpu

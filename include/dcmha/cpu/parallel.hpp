@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <exception>
+#include <mutex>
 #include <vector>
 
 #include "../config.hpp"
@@ -48,6 +50,36 @@ inline void barrier() {
 #pragma omp barrier
 #endif
 }
+
+/// An exception must not leave an OpenMP region (the program would terminate), and a thread that
+/// stopped early would leave the others waiting at the next barrier. So a team's threads build
+/// their buffers first, each in attempt(), then pass one barrier and all ask failed(): all go on
+/// or all skip the work, and the call rethrows the first error after the region. The work itself
+/// allocates nothing, so a failed allocation leaves every output as it was.
+class RegionErrors {
+ public:
+  template <class F>
+  void attempt(F&& f) noexcept {
+    try {
+      f();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+      failed_.store(true, std::memory_order_release);
+    }
+  }
+  /// The same answer on every thread once they have all passed a barrier after their attempts.
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+  /// After the region.
+  void rethrow_first() const {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::exception_ptr error_;
+  std::atomic<bool> failed_{false};
+};
 
 /// Share `part` of `parts` of [begin, end), boundaries rounded to multiples of `align` (relative
 /// to begin) so that vector loops start aligned with the chunk grid. Deterministic in its inputs.

@@ -3,7 +3,9 @@
 // row addresses, aligned workspace buffers.
 #include <Eigen/Core>
 #include <algorithm>
+#include <cstddef>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "../tensor.hpp"
@@ -116,11 +118,32 @@ class SpreadPrefetch {
   index_t per_step_[2] = {0, 0}, done_[2] = {0, 0};
 };
 
+/// Cache-line aligned memory from the global operator new, so that a program's (or a test's)
+/// replacement of it sees every allocation of the kernels, and its failures arrive as
+/// std::bad_alloc.
+template <class S>
+struct AlignedAllocator {
+  using value_type = S;
+  static constexpr std::size_t kAlign = 64;
+  AlignedAllocator() = default;
+  template <class U>
+  AlignedAllocator(const AlignedAllocator<U>&) {}
+  S* allocate(std::size_t n) {
+    if (n > std::numeric_limits<std::size_t>::max() / sizeof(S)) throw std::bad_array_new_length();
+    return static_cast<S*>(::operator new(n * sizeof(S), std::align_val_t(kAlign)));
+  }
+  void deallocate(S* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t(kAlign)); }
+  template <class U>
+  bool operator==(const AlignedAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const AlignedAllocator<U>&) const { return false; }
+};
+
 /// Kernel workspace. Eigen's vectorized reductions (sum, maxCoeff) start their packets at the
 /// first aligned element, so their summation order depends on the address: buffers with a fixed
 /// alignment keep results bitwise reproducible from call to call.
 template <class S>
-using Buffer = std::vector<S, Eigen::aligned_allocator<S>>;
+using Buffer = std::vector<S, AlignedAllocator<S>>;
 
 /// What kernel panels and packing buffers start as. Their contents are scratch: every value is
 /// written before it is read. Tests define DCMHA_POISON_WORKSPACE so that a read of a value never

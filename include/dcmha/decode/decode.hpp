@@ -92,9 +92,9 @@ void check_query_side(const char* fn, const ComposeWeights<T>& qs, const DecodeC
 }
 
 template <class T>
-void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new, const DecodeCache<T>& cache,
-                 const ComposeWeights<T>& query_side, TensorView<T, 4> out, Workspace* workspace) {
-  const char* fn = "dcmha::decode";
+void decode_step(const char* fn, const AttentionConfig& cfg, TensorView<const T, 4> q_new,
+                 const DecodeCache<T>& cache, const ComposeWeights<T>& query_side, TensorView<T, 4> out,
+                 Workspace* workspace) {
   const DecodeCacheConfig& cc = cache.config();
   if (cfg.mask != Mask::causal)
     fail(fn, ": cfg.mask: expected Mask::causal (new tokens see the cache and each other causally), "
@@ -157,6 +157,13 @@ void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new, const
   if (cache.local()) ring = {cap, view<1>(static_cast<const index_t*>(start.data()), {B})};
   WorkspaceAccess::CallMemory mem(fn, workspace);
   cpu::forward(c2, dims, q_new, k, v, out, TensorView<acc_t<T>, 3>{}, cw, mem.get(), ring);
+}
+
+template <class T>
+void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new, const DecodeCache<T>& cache,
+                 const ComposeWeights<T>& query_side, TensorView<T, 4> out, Workspace* workspace) {
+  const char* fn = "dcmha::decode";
+  with_allocation_errors(fn, [&] { decode_step(fn, cfg, q_new, cache, query_side, out, workspace); });
 }
 
 }  // namespace detail

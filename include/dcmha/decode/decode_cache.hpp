@@ -92,10 +92,12 @@ class DecodeCache {
     return layout(c, fn).total;
   }
 
-  /// Library-owned memory (zero-initialized).
+  /// Library-owned memory (zero-initialized); dcmha::AllocationError if it cannot be allocated.
   explicit DecodeCache(const DecodeCacheConfig& c)
       : cfg_(checked(c)), lay_(layout(cfg_, "dcmha::DecodeCache")) {
-    owned_.assign(static_cast<std::size_t>(lay_.total), T(0));
+    detail::with_allocation_errors("dcmha::DecodeCache", [&] {
+      owned_.assign(static_cast<std::size_t>(lay_.total), T(0));
+    });
     data_ = owned_.data();
     reset();
   }
@@ -164,7 +166,8 @@ class DecodeCache {
   void append(TensorView<const T, 4> k_new, TensorView<const T, 4> v_new,
               const ComposeWeights<T>& key_side = {}, TensorView<const index_t, 1> counts = {}) {
     const char* fn = "dcmha::DecodeCache::append";
-    const index_t n = validate_append(fn, k_new, v_new, key_side, counts);
+    index_t n = 0;  // validation allocates (names in messages); the copies below do not
+    detail::with_allocation_errors(fn, [&] { n = validate_append(fn, k_new, v_new, key_side, counts); });
     auto count = [&](index_t b) { return counts.empty() ? n : counts(b); };
 
     const index_t B = cfg_.B, Hk = cfg_.Hk, D = cfg_.D, Dv = cfg_.Dv, cap = lay_.cap;

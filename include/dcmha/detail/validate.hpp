@@ -4,7 +4,10 @@
 //   "dcmha::forward: k.shape[3] (D): expected 64 (q.shape[3]), got 32".
 // The checks run in a fixed order (config, presence, shapes, strides, head counts, compose,
 // overlap), so every later check may rely on the earlier ones having passed.
+#include <algorithm>
 #include <cmath>
+#include <initializer_list>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -186,6 +189,36 @@ AttentionDims validate_backward(const char* fn, const AttentionConfig& cfg,
   validate_compose_grads(fn, compose, dcompose, outputs);
   check_disjoint(fn, outputs, inputs);
   return d;
+}
+
+/// The kernels size their buffers by products of the problem's dims, and broadcast (zero-stride)
+/// inputs let a caller pass dims no memory could hold. Before any size is computed: an upper
+/// bound of all of them, with overflow checks, must fit comfortably in index_t; if it does not,
+/// no allocation could succeed anyway, and the call fails as out of memory.
+template <class T>
+void check_kernel_sizes(const AttentionDims& d, const ComposeWeights<T>& cw, int threads) {
+  constexpr index_t lim = std::numeric_limits<index_t>::max() / 64;
+  index_t rank = 0;
+  for (const ComposeTerms<T>* c : {&cw.pre, &cw.post}) {
+    if (c->query_wise) rank = std::max(rank, c->qw1.shape[3]);
+    if (c->key_wise) rank = std::max(rank, c->kw1.shape[3]);
+  }
+  auto sum = [](std::initializer_list<index_t> xs) {  // saturates at lim + 1 (every x >= 0)
+    index_t total = 0;
+    for (index_t x : xs) total = x > lim - total ? lim + 1 : total + x;
+    return total;
+  };
+  // Keys or rows per thread's panel, heads, values per (row, key) and per row, 16 bytes each.
+  const index_t factors[] = {sum({d.S, d.T, 1024 * (index_t(threads) + 1)}), sum({d.H, 1}),
+                             sum({d.D, d.Dv, rank, rank, rank, rank, 2048}), 16};
+  index_t bound = 1;
+  for (index_t f : factors) {
+    if (f > lim / bound)
+      throw AllocationError(concat("the kernels' working buffers for H = ", d.H, ", T = ", d.T, ", S = ", d.S,
+                                   ", D = ", d.D, ", Dv = ", d.Dv, ", rank ", rank, " and ", threads,
+                                   " threads exceed the address space"));
+    bound *= f;
+  }
 }
 
 }  // namespace dcmha::detail

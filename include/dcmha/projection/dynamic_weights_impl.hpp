@@ -20,9 +20,11 @@ void dynamic_weights_forward_impl(const ProjectionConfig& cfg, TensorView<const 
                                   const DynamicWeightProjection<T>& p,
                                   const DynamicWeights<T>& out,
                                   ProjectionActivations<T>* keep = nullptr) {
-  const projection::ProjectionDims d =
-      projection::validate_forward("dcmha::dynamic_weights_forward", cfg, x, p, out);
-  projection::forward(cfg, d, x, p, out, keep ? &projection::ActivationsAccess::get(*keep) : nullptr);
+  const char* fn = "dcmha::dynamic_weights_forward";
+  with_allocation_errors(fn, [&] {
+    const projection::ProjectionDims d = projection::validate_forward(fn, cfg, x, p, out);
+    projection::forward(cfg, d, x, p, out, keep ? &projection::ActivationsAccess::get(*keep) : nullptr);
+  });
 }
 
 template <class T>
@@ -32,10 +34,12 @@ void dynamic_weights_backward_impl(const ProjectionConfig& cfg, TensorView<const
                                    const DynamicWeightProjectionGrads<T>& grads,
                                    const ProjectionActivations<T>* kept = nullptr) {
   const char* fn = "dcmha::dynamic_weights_backward";
-  const projection::ProjectionDims d = projection::validate_backward(fn, cfg, x, p, dout, dx, grads);
-  const projection::Recomputed<T>* r = kept ? projection::ActivationsAccess::find(*kept) : nullptr;
-  if (kept) projection::check_activations(fn, r, d);
-  projection::backward(cfg, d, x, p, dout, dx, grads, r);
+  with_allocation_errors(fn, [&] {
+    const projection::ProjectionDims d = projection::validate_backward(fn, cfg, x, p, dout, dx, grads);
+    const projection::Recomputed<T>* r = kept ? projection::ActivationsAccess::find(*kept) : nullptr;
+    if (kept) projection::check_activations(fn, r, d);
+    projection::backward(cfg, d, x, p, dout, dx, grads, r);
+  });
 }
 
 template <class T>
