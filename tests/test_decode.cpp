@@ -1,18 +1,22 @@
-// Incremental decoding: DecodeCache + dcmha::decode against the full causal dcmha::forward.
+// Incremental decoding: DecodeCache + dcmha::decode against the reference forward.
 //
 // Every equivalence test runs a whole sequence through the cache: a prefill step (the prompt's
 // tokens appended and decoded at once), then the rest n tokens at a time, and compares the rows
-// each step produced with the rows of one forward over all tokens. Padded batches give every
-// sequence its own length and its own count per step, so the sequences sit at different
-// positions (and, for window layers, at different ring offsets) in the same call.
+// each step produced with the rows of the double-precision reference over all tokens (and with
+// the production forward, which shares the kernels: a bug common to both fails only the first).
+// Padded batches give every sequence its own length and its own count per step, so the
+// sequences sit at different positions (and, for window layers, at different ring offsets) in
+// the same call. After every append the cache must hold exactly the tokens it reports.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <initializer_list>
 #include <limits>
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -32,16 +36,62 @@ double tolerance() {
   return std::is_same_v<T, float> ? 2e-4 : 1e-9;
 }
 
-/// One decode run: the prompt length of each sequence, then n tokens per step.
+/// One decode run: the prompt length of each sequence, then n tokens per step, or an explicit
+/// plan of counts per step and sequence.
 struct Schedule {
   std::vector<int64_t> prefill;  // per sequence; empty: prefill_all for every sequence
   int64_t prefill_all = 7;
   int64_t step = 1;
   std::vector<int64_t> lengths;  // total tokens per sequence; empty: spec.T for every sequence
+  // plan[i][b]: tokens sequence b appends in step i. Non-empty: replaces prefill, step and
+  // lengths (sequence b's length is the sum of its column).
+  std::vector<std::vector<int64_t>> plan;
   bool bthd = false;             // new-token tensors kept (B, n, H, D) in memory
   bool caller_memory = false;    // the cache in a caller-provided buffer
   bool workspace = false;        // one Workspace kept across the steps
+  bool check_cache = true;       // expect_cached_tokens after every append
 };
+
+/// The counts of every step of sch: its plan, or the prompts then `step` tokens at a time until
+/// every sequence has its length. A step in which no sequence appends is left out (append needs
+/// n >= 1).
+std::vector<std::vector<int64_t>> step_counts(const Schedule& sch, int64_t B, int64_t T) {
+  std::vector<std::vector<int64_t>> plan;
+  for (const std::vector<int64_t>& counts : sch.plan)
+    if (*std::max_element(counts.begin(), counts.end()) > 0) plan.push_back(counts);
+  if (!sch.plan.empty()) return plan;
+  const std::vector<int64_t> len = sch.lengths.empty() ? std::vector<int64_t>(size_t(B), T) : sch.lengths;
+  const std::vector<int64_t> pre = sch.prefill.empty() ? std::vector<int64_t>(size_t(B), sch.prefill_all) : sch.prefill;
+  std::vector<int64_t> done(size_t(B), 0);
+  for (int step = 0;; ++step) {
+    std::vector<int64_t> count(static_cast<size_t>(B));
+    for (size_t b = 0; b < size_t(B); ++b) count[b] = std::min(step == 0 ? pre[b] : sch.step, len[b] - done[b]);
+    if (*std::max_element(count.begin(), count.end()) == 0) {
+      if (step == 0) continue;  // no sequence has a prompt: start with the first step
+      return plan;
+    }
+    for (size_t b = 0; b < size_t(B); ++b) done[b] += count[b];
+    plan.push_back(count);
+  }
+}
+
+/// Tokens per sequence after the whole schedule.
+std::vector<int64_t> sequence_lengths(const std::vector<std::vector<int64_t>>& plan, int64_t B) {
+  std::vector<int64_t> len(size_t(B), 0);
+  for (const std::vector<int64_t>& counts : plan)
+    for (size_t b = 0; b < size_t(B); ++b) len[b] += counts[b];
+  return len;
+}
+
+std::string describe(const Schedule& sch) {
+  std::string r = sch.plan.empty() ? "prefill " + std::to_string(sch.prefill_all) + " step " + std::to_string(sch.step)
+                                   : std::string("plan");
+  if (!sch.lengths.empty() || !sch.plan.empty()) r += " padded";
+  if (sch.bthd) r += " bthd";
+  if (sch.caller_memory) r += " caller memory";
+  if (sch.workspace) r += " workspace";
+  return r;
+}
 
 /// Copies tokens [start[b], start[b] + count[b]) of every sequence b out of a canonical tensor
 /// whose dim `td` is the token dim, into a dense buffer whose token dim has n entries; the rest
@@ -101,6 +151,69 @@ dcmha::DecodeCacheConfig cache_config(const ProblemSpec& s, int64_t max_step) {
   return c;
 }
 
+/// Counts the cache entries that differ from what was appended; keeps the first for the message.
+struct Mismatches {
+  int64_t count = 0;
+  std::string first;
+  template <class T>
+  void check(const std::string& what, int64_t b, int64_t token, double appended, T cached) {
+    if (cached == T(appended)) return;  // append copies: bit for bit, and a NaN never matches
+    if (count++ == 0)
+      first = what + " of sequence " + std::to_string(b) + " token " + std::to_string(token) + ": cached " +
+              std::to_string(double(cached)) + ", appended " + std::to_string(appended);
+  }
+};
+
+/// K and V of token j of sequence b in slot `slot` against the problem's (B, Hk, T, D) values.
+template <class T>
+void check_cached_kv(const dcmha::DecodeCache<T>& cache, const dcmha::reference::Problem& p, int64_t b,
+                     int64_t j, index_t slot, Mismatches& bad) {
+  const auto k = cache.k_slots(), v = cache.v_slots();
+  for (int64_t h = 0; h < p.Hk; ++h) {
+    for (int64_t d = 0; d < p.D; ++d)
+      bad.check("K", b, j, p.k[size_t(((b * p.Hk + h) * p.T + j) * p.D + d)], k(b, h, slot, d));
+    for (int64_t e = 0; e < p.Dv; ++e)
+      bad.check("V", b, j, p.v[size_t(((b * p.Hk + h) * p.T + j) * p.Dv + e)], v(b, h, slot, e));
+  }
+}
+
+/// The key-wise terms (kw1, kw2, kdd, pre and post where cached) of token j of sequence b.
+template <class T>
+void check_cached_key_wise(const dcmha::DecodeCache<T>& cache, const dcmha::reference::Problem& p, int64_t b,
+                           int64_t j, index_t slot, Mismatches& bad) {
+  const int64_t G = p.G, M = p.H / p.G;
+  for (bool post : {false, true}) {
+    const dcmha::reference::ComposeSide& c = post ? p.post : p.pre;
+    if (!c.key_wise) continue;
+    const std::string side = post ? "post " : "pre ";
+    const auto kw1 = cache.kw1_slots(post), kw2 = cache.kw2_slots(post);
+    const auto kdd = cache.kdd_slots(post);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t r = 0; r < c.Rk; ++r) {
+          const size_t at = size_t((((b * p.S + j) * G + g) * c.Rk + r) * M + m);
+          bad.check(side + "kw1", b, j, c.kw1[at], kw1(b, slot, g, r, m));
+          bad.check(side + "kw2", b, j, c.kw2[at], kw2(b, slot, g, r, m));
+        }
+        bad.check(side + "kdd", b, j, c.kdd[size_t(((b * p.S + j) * G + g) * M + m)], kdd(b, slot, g, m));
+      }
+  }
+}
+
+/// The cache holds exactly the tokens it reports: the last kept(b) tokens of every sequence b,
+/// token j in slot j % capacity(). A padding token written over a kept one shows here even
+/// where no query would read it (a full sequence with count 0, an old slot of a window ring).
+template <class T>
+void expect_cached_tokens(const dcmha::DecodeCache<T>& cache, const dcmha::reference::Problem& p, int step) {
+  Mismatches bad;
+  for (index_t b = 0; b < cache.batch(); ++b)
+    for (index_t j = cache.length(b) - cache.kept(b); j < cache.length(b); ++j) {
+      check_cached_kv(cache, p, b, j, j % cache.capacity(), bad);
+      check_cached_key_wise(cache, p, b, j, j % cache.capacity(), bad);
+    }
+  EXPECT_EQ(bad.count, 0) << "step " << step << ": " << bad.first;
+}
+
 /// Called after each append with the cache and the step number (0 = prefill).
 template <class T>
 using AfterAppend = std::function<void(dcmha::DecodeCache<T>&, int)>;
@@ -111,10 +224,14 @@ std::vector<double> run_decode(const dcmha::reference::Problem& p, const Problem
                                const Schedule& sch, const AfterAppend<T>& after_append = {}) {
   const int64_t B = p.B, H = p.H, Hk = p.Hk, T_ = p.T, D = p.D, Dv = p.Dv, G = p.G, M = H / G;
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  std::vector<int64_t> len(static_cast<size_t>(B), T_), pre(static_cast<size_t>(B), sch.prefill_all);
-  if (!sch.lengths.empty()) len = sch.lengths;
-  if (!sch.prefill.empty()) pre = sch.prefill;
-  const int64_t max_step = std::max(*std::max_element(pre.begin(), pre.end()), sch.step);
+  const std::vector<std::vector<int64_t>> plan = step_counts(sch, B, T_);
+  int64_t max_step = 1;
+  for (const std::vector<int64_t>& counts : plan)
+    max_step = std::max(max_step, *std::max_element(counts.begin(), counts.end()));
+  for (int64_t len : sequence_lengths(plan, B))
+    if (len > T_)
+      throw std::invalid_argument("run_decode: a schedule of " + std::to_string(len) + " tokens for T = " +
+                                  std::to_string(T_));
 
   const dcmha::DecodeCacheConfig cc = cache_config(spec, max_step);
   std::vector<T> memory;
@@ -139,15 +256,9 @@ std::vector<double> run_decode(const dcmha::reference::Problem& p, const Problem
 
   std::vector<double> result(size_t(B * H * T_ * Dv), 0.0);
   std::vector<int64_t> done(static_cast<size_t>(B), 0);
-  for (int step = 0;; ++step) {
-    std::vector<int64_t> count(static_cast<size_t>(B));
-    for (int64_t b = 0; b < B; ++b)
-      count[size_t(b)] = std::min(step == 0 ? pre[size_t(b)] : sch.step, len[size_t(b)] - done[size_t(b)]);
+  for (int step = 0; step < int(plan.size()); ++step) {
+    const std::vector<int64_t>& count = plan[size_t(step)];
     const int64_t n = *std::max_element(count.begin(), count.end());
-    if (n == 0) {
-      if (step == 0) continue;  // no sequence has a prompt: start with the first step
-      break;
-    }
 
     std::vector<T> q = gather<T>(q_src, q_shape, td, done, count, n, nan);
     std::vector<T> k = gather<T>(k_src, k_shape, td, done, count, n, nan);
@@ -194,6 +305,7 @@ std::vector<double> run_decode(const dcmha::reference::Problem& p, const Problem
     cache.append(act_view(k, B, Hk, n, D, sch.bthd), act_view(v, B, Hk, n, Dv, sch.bthd), key_side,
                  padded ? dcmha::view<1>(static_cast<const index_t*>(count.data()), {B})
                         : TensorView<const index_t, 1>{});
+    if (sch.check_cache) expect_cached_tokens(cache, p, step);
     if (after_append) after_append(cache, step);
     dcmha::AttentionConfig cfg;
     if (sch.workspace)
@@ -219,13 +331,28 @@ std::vector<double> run_decode(const dcmha::reference::Problem& p, const Problem
   return result;
 }
 
-/// The full causal forward over every sequence's tokens (padding rows zero).
+/// The lengths a forward over the whole schedule takes: empty where every sequence has all T
+/// tokens, so that unpadded runs compare with the unpadded forward.
+std::vector<int64_t> padded_lengths(const Schedule& sch, int64_t B, int64_t T) {
+  const std::vector<int64_t> len = sequence_lengths(step_counts(sch, B, T), B);
+  const bool full = std::all_of(len.begin(), len.end(), [T](int64_t x) { return x == T; });
+  return full ? std::vector<int64_t>{} : len;
+}
+
+/// The reference's causal forward over every sequence's tokens (padding rows 0): sequence b's
+/// row t sees its keys s <= t within the window, which is what decode's row for token t must be.
+std::vector<double> reference_rows(dcmha::reference::Problem p, const std::vector<int64_t>& lengths) {
+  p.query_lengths = p.key_lengths = lengths;
+  return dcmha::reference::forward(p);
+}
+
+/// The production forward over the same tokens.
 template <class T>
-std::vector<double> full_forward(dcmha::reference::Problem p, const Schedule& sch) {
-  if (!sch.lengths.empty()) p.query_lengths = p.key_lengths = sch.lengths;
+std::vector<double> forward_rows(dcmha::reference::Problem p, const std::vector<int64_t>& lengths) {
+  p.query_lengths = p.key_lengths = lengths;
   TypedProblem<T> tp(p);
   dcmha::AttentionConfig cfg = tp.config();
-  if (!sch.lengths.empty()) {
+  if (!lengths.empty()) {
     cfg.query_lengths = dcmha::view<1>(static_cast<const index_t*>(tp.problem().query_lengths.data()), {p.B});
     cfg.key_lengths = dcmha::view<1>(static_cast<const index_t*>(tp.problem().key_lengths.data()), {p.B});
   }
@@ -242,16 +369,15 @@ ProblemSpec decode_spec(int64_t window = 0) {
   return s;
 }
 
+/// Decode's rows against the reference and against the production forward.
 template <class T>
 void check_decode(const ProblemSpec& spec, const Schedule& sch, uint64_t seed = 7) {
-  SCOPED_TRACE(spec.str() + " prefill " + std::to_string(sch.prefill_all) + " step " +
-               std::to_string(sch.step) + (sch.lengths.empty() ? "" : " padded") +
-               (sch.bthd ? " bthd" : "") + (sch.caller_memory ? " caller memory" : "") +
-               (sch.workspace ? " workspace" : ""));
+  SCOPED_TRACE(spec.str() + " " + describe(sch));
   const dcmha::reference::Problem p = dcmha::test::random_problem(spec, seed);
-  const std::vector<double> expected = full_forward<T>(p, sch);
+  const std::vector<int64_t> lengths = padded_lengths(sch, p.B, p.T);
   const std::vector<double> got = run_decode<T>(p, spec, sch);
-  EXPECT_LE(dcmha::test::max_rel_error(expected, got), tolerance<T>());
+  EXPECT_LE(dcmha::test::max_rel_error(reference_rows(p, lengths), got), tolerance<T>()) << "against the reference";
+  EXPECT_LE(dcmha::test::max_rel_error(forward_rows<T>(p, lengths), got), tolerance<T>()) << "against forward";
 }
 
 /// Token by token and three at a time, each after a 7-token prefill (a 1-token one for window
@@ -362,6 +488,199 @@ TYPED_TEST(Decode, PaddedBatch) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// Padded batches whose longest sequence is not the first
+
+/// Sequences of 3, 11 and 7 tokens in steps of varying counts, some 0 (the middle one has no
+/// prompt): the first sequence is never the longest, so the keys decode hands the kernel must
+/// reach as far as whichever sequence holds most. In a global layer (capacity 11) sequence 1
+/// fills the cache in the last step while sequence 2 appends 4 tokens.
+Schedule longest_in_the_middle() {
+  Schedule s;
+  s.plan = {{2, 0, 1}, {0, 4, 1}, {1, 3, 0}, {0, 3, 1}, {0, 1, 4}};
+  return s;
+}
+
+/// B 3, T = S = 11 (the longest sequence, so the capacity of a global layer), one problem per
+/// compose switch group.
+std::vector<ProblemSpec> switch_groups(int64_t window) {
+  ProblemSpec base = decode_spec(window);
+  base.B = 3;
+  base.T = base.S = 11;
+  std::vector<ProblemSpec> specs;
+  auto add = [&](auto edit) {
+    specs.push_back(base);
+    edit(specs.back());
+  };
+  add([](ProblemSpec& s) { s.pre = s.post = SideSpec::none(); });              // MHA
+  add([](ProblemSpec& s) { s.pre = s.post = SideSpec{false, true, false}; });  // query-wise only
+  add([](ProblemSpec& s) {                                                      // key-wise post only
+    s.pre = SideSpec::none();
+    s.post = SideSpec{false, false, true};
+  });
+  add([](ProblemSpec& s) { s.post = SideSpec{false, true, false}; });  // key-wise pre only
+  add([](ProblemSpec& s) { s.pre = s.post = SideSpec::all(); });        // static W
+  add([](ProblemSpec& s) {                                              // two compose groups
+    s.H = 6;
+    s.G = 2;
+    s.Hk = 3;
+    s.pre = SideSpec::all();
+  });
+  add([](ProblemSpec& s) { s.Hk = 2; });  // GQA
+  add([](ProblemSpec& s) { s.Hk = 1; });  // MQA
+  return specs;
+}
+
+// Window 4 with steps of up to 4 tokens: a ring of 7 slots that sequence 1 wraps, sequence 2
+// fills exactly and sequence 0 never reaches.
+TYPED_TEST(Decode, PaddedBatchLongestNotFirst) {
+  for (int64_t window : {0, 4})
+    for (const ProblemSpec& s : switch_groups(window)) check_decode<TypeParam>(s, longest_in_the_middle());
+}
+
+// ---------------------------------------------------------------------------------------------
+// A global cache that sequences fill
+
+/// Capacity 10 (T), key-wise state on both sides, G 2 and GQA.
+ProblemSpec filling_spec() {
+  ProblemSpec s = decode_spec();
+  s.B = 3;
+  s.T = s.S = 10;
+  s.H = 6;
+  s.G = 2;
+  s.Hk = 3;
+  s.pre = SideSpec::all();
+  return s;
+}
+
+/// Sequence 1 fills the cache in step 2, where sequence 2 appends one token more, then appends
+/// nothing in steps 3 and 4 while the others go on; sequence 0 fills it in step 4, where sequence
+/// 2 appends two. A full sequence's padding tokens have nowhere to go but its own first slots.
+Schedule filling_schedule() {
+  Schedule s;
+  s.plan = {{3, 4, 1}, {2, 4, 2}, {1, 2, 3}, {3, 0, 1}, {1, 0, 2}};
+  return s;
+}
+
+template <class T>
+bool some_sequence_full(const dcmha::DecodeCache<T>& c) {
+  for (index_t b = 0; b < c.batch(); ++b)
+    if (c.length(b) == c.capacity()) return true;
+  return false;
+}
+
+// The slot check after every append (run_decode) sees a padding token written over the full
+// sequence's first keys even in the steps where that sequence has no row to show it.
+TYPED_TEST(Decode, SequenceFillsCacheWhileOthersAppend) {
+  const ProblemSpec s = filling_spec();
+  const dcmha::reference::Problem p = dcmha::test::random_problem(s, 7);
+  for (bool caller_memory : {false, true}) {
+    SCOPED_TRACE(caller_memory ? "caller memory" : "owned memory");
+    Schedule sch = filling_schedule();
+    sch.caller_memory = caller_memory;
+    bool filled_beside_more = false, full_beside_others = false;
+    const std::vector<double> got = run_decode<TypeParam>(p, s, sch, [&](dcmha::DecodeCache<TypeParam>& c, int) {
+      for (index_t b = 0; b < c.batch(); ++b) {
+        if (c.length(b) != c.capacity()) continue;
+        filled_beside_more |= c.last_count(b) > 0 && c.last_count(b) < c.last_step();
+        full_beside_others |= c.last_count(b) == 0;
+      }
+    });
+    EXPECT_TRUE(filled_beside_more && full_beside_others) << "the schedule no longer fills the cache as intended";
+    const std::vector<double> expected = reference_rows(p, padded_lengths(sch, s.B, s.T));
+    EXPECT_LE(dcmha::test::max_rel_error(expected, got), tolerance<TypeParam>());
+  }
+}
+
+/// Expects call to throw a dcmha::Error from fn whose message has every needle.
+template <class F>
+void expect_rejected(const std::string& fn, F&& call, std::initializer_list<std::string> needles) {
+  try {
+    call();
+  } catch (const dcmha::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind(fn + ": ", 0), 0u) << msg;
+    for (const std::string& n : needles)
+      EXPECT_NE(msg.find(n), std::string::npos) << "message lacks \"" << n << "\": " << msg;
+    return;
+  }
+  ADD_FAILURE() << "no dcmha::Error thrown";
+}
+
+/// Everything a DecodeCache holds, bit for bit: every slot of K, V and the key-wise state, and the
+/// counters of every sequence.
+template <class T>
+struct CacheState {
+  std::vector<T> slots;
+  std::vector<index_t> counters;
+
+  explicit CacheState(const dcmha::DecodeCache<T>& c) {
+    auto add = [&](auto v) {
+      if (!v.empty()) dcmha::test::detail::for_each_logical(v, [&](index_t, T& x) { slots.push_back(x); });
+    };
+    add(c.k_slots());
+    add(c.v_slots());
+    for (bool post : {false, true}) {
+      add(c.kw1_slots(post));
+      add(c.kw2_slots(post));
+      add(c.kdd_slots(post));
+    }
+    counters.push_back(c.last_step());
+    for (index_t b = 0; b < c.batch(); ++b)
+      counters.insert(counters.end(), {c.length(b), c.kept(b), c.last_count(b)});
+  }
+  bool operator==(const CacheState& o) const {  // memcmp: a NaN slot equals itself
+    return counters == o.counters && slots.size() == o.slots.size() &&
+           std::memcmp(slots.data(), o.slots.data(), slots.size() * sizeof(T)) == 0;
+  }
+};
+
+/// Appends one token to every sequence of a global cache that one sequence has filled: the call
+/// must throw and leave the cache as it was. The token's values (1000) are unlike every real one,
+/// so a partial write, e.g. of the sequences that still had room, shows.
+template <class T>
+void expect_overflow_rejected(dcmha::DecodeCache<T>& cache) {
+  const dcmha::DecodeCacheConfig& c = cache.config();
+  const index_t B = c.B, M = c.H / c.G;
+  const std::vector<T> k(size_t(B * c.Hk * c.D), T(1000)), v(size_t(B * c.Hk * c.Dv), T(1000));
+  const std::vector<T> lowrank(size_t(B * c.G * c.Rk * M), T(1000)), gate(size_t(B * c.G * M), T(1000));
+  dcmha::ComposeWeights<T> key_side;
+  for (bool post : {false, true}) {
+    if (!(post ? c.post_key_wise : c.pre_key_wise)) continue;
+    dcmha::ComposeTerms<T>& side = post ? key_side.post : key_side.pre;
+    side.key_wise = true;
+    side.kw1 = side.kw2 = dcmha::view<5>(lowrank.data(), {B, 1, c.G, c.Rk, M});
+    side.kdd = dcmha::view<4>(gate.data(), {B, 1, c.G, M});
+  }
+  const std::vector<index_t> ones(size_t(B), 1);
+  const CacheState<T> before(cache);
+  // Rejected for the capacity, not for a shape this helper got wrong.
+  expect_rejected("dcmha::DecodeCache::append", [&] {
+    cache.append(dcmha::view<4>(k.data(), {B, c.Hk, 1, c.D}), dcmha::view<4>(v.data(), {B, c.Hk, 1, c.Dv}), key_side,
+                 dcmha::view<1>(ones.data(), {B}));
+  }, {"config.capacity"});
+  EXPECT_TRUE(CacheState<T>(cache) == before) << "a rejected append changed the cache";
+}
+
+// After every append that leaves a sequence full, an append past the capacity is tried: the cache
+// stays bit for bit, and the run's rows are bit for bit those of the same run without the tries.
+TYPED_TEST(Decode, RejectedAppendChangesNothing) {
+  const ProblemSpec s = filling_spec();
+  const dcmha::reference::Problem p = dcmha::test::random_problem(s, 7);
+  const Schedule sch = filling_schedule();
+  int tries = 0;
+  const std::vector<double> plain = run_decode<TypeParam>(p, s, sch);
+  const std::vector<double> tried = run_decode<TypeParam>(p, s, sch, [&](dcmha::DecodeCache<TypeParam>& c, int) {
+    if (!some_sequence_full(c)) return;
+    expect_overflow_rejected(c);
+    ++tries;
+  });
+  EXPECT_GT(tries, 0);
+  EXPECT_TRUE(plain == tried) << "rows differ after a rejected append";
+  const std::vector<double> expected = reference_rows(p, padded_lengths(sch, s.B, s.T));
+  EXPECT_LE(dcmha::test::max_rel_error(expected, tried), tolerance<TypeParam>());
+}
+
 TYPED_TEST(Decode, StridedNewTokensAndCallerMemory) {
   for (int64_t window : {0, 5}) {
     ProblemSpec s = decode_spec(window);
@@ -400,7 +719,8 @@ TYPED_TEST(Decode, LongerSequences) {
 double corrupted_error(const ProblemSpec& spec, const std::function<void(dcmha::DecodeCache<double>&)>& corrupt) {
   const dcmha::reference::Problem p = dcmha::test::random_problem(spec, 11);
   Schedule sch;
-  const std::vector<double> expected = full_forward<double>(p, sch);
+  sch.check_cache = false;  // the corrupted entry is the point
+  const std::vector<double> expected = reference_rows(p, {});
   const std::vector<double> got = run_decode<double>(p, spec, sch, [&](dcmha::DecodeCache<double>& c, int step) {
     if (step == 0) corrupt(c);
   });
@@ -484,20 +804,6 @@ TEST(DecodeCacheState, RequiredElements) {
 
 // ---------------------------------------------------------------------------------------------
 // Misuse
-
-template <class F>
-void expect_rejected(const std::string& fn, F&& call, std::initializer_list<std::string> needles) {
-  try {
-    call();
-  } catch (const dcmha::Error& e) {
-    const std::string msg = e.what();
-    EXPECT_EQ(msg.rfind(fn + ": ", 0), 0u) << msg;
-    for (const std::string& n : needles)
-      EXPECT_NE(msg.find(n), std::string::npos) << "message lacks \"" << n << "\": " << msg;
-    return;
-  }
-  ADD_FAILURE() << "no dcmha::Error thrown";
-}
 
 /// A small layer (B 2, H 4, Hk 2, G 2, Rk 2, key-wise on both sides) with every buffer one
 /// append / decode of n tokens needs.
