@@ -113,6 +113,7 @@ struct BackwardWorkspace : SlabLayout {
   ComposeKeyGrads<A> pre_kg, post_kg;
   A *Lp = nullptr, *Pp = nullptr, *dPp = nullptr;  // [tile][row][m][key], see SlabLayout
   Buffer<A> d_tile;                                 // [tile][m][row]: D over the tile's keys
+  Buffer<A> p_tile;                                 // [tile][m][row]: P over the tile's keys
   Buffer<A> pre_rg, post_rg;  // [tile][row][ComposeRowGrads::size]: query-wise gradient sums
   Buffer<A> dw_tile;                                // [tile][side][m][n], sides with static W
   A *qall = nullptr, *oall = nullptr;               // [m][row][D or Dv]: the block's Q (scaled), dO
@@ -148,6 +149,7 @@ struct BackwardWorkspace : SlabLayout {
     qall = dPp + panel;
     oall = qall + Bq * M * d.D;
     d_tile.assign(tiles * M * Bq, A(0));
+    p_tile.assign(tiles * M * Bq, A(0));
     pre_rg.assign(tiles * Bq * ComposeRowGrads<A>::size(pre), A(0));
     post_rg.assign(tiles * Bq * ComposeRowGrads<A>::size(post), A(0));
     dw_tile.assign(pre.has_w || post.has_w ? tiles * 2 * M * M : 0, A(0));
@@ -401,18 +403,31 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         }
       }
       A* dt = ws.d_tile.data() + tile * M * Bq;
+      A* pt = ws.p_tile.data() + tile * M * Bq;
       for (index_t i = lo; i < hi; ++i)
-        for (index_t m = 0; m < M; ++m)
-          dt[m * Bq + i] = (Segment<A>(Ps + i * rs + m * tw, n) * Segment<A>(dPs + i * rs + m * tw, n)).sum();
+        for (index_t m = 0; m < M; ++m) {
+          const Segment<A> p(Ps + i * rs + m * tw, n);
+          dt[m * Bq + i] = (p * Segment<A>(dPs + i * rs + m * tw, n)).sum();
+          pt[m * Bq + i] = p.sum();
+        }
     }
     team.sync();
 
     // Pass 2.
+    // D = sum P dP / sum P. P comes from the saved lse, a float off by up to 2^-24 |lse| from
+    // the row's true log-sum: every probability of the row carries the same factor, so P sums
+    // to 1 + e. Unnormalized, dS = P (dP - D) would sum to e D over the row instead of 0, and
+    // gradients that add dS over keys with a common part (dQ through keys that share a direction,
+    // the pre-compose weights through scores of 1e4) would lose all their digits at |lse| = 1e4.
+    // Normalized, every gradient is off by the factor 1 + e alone.
     for (index_t i = lo; i < hi; ++i)
       for (index_t m = 0; m < M; ++m) {
-        A Dm = 0;
-        for (index_t tile = 0; tile < ntiles; ++tile) Dm += ws.d_tile[(tile * M + m) * Bq + i];
-        row_d[i * M + m] = Dm;
+        A Dm = 0, Pm = 0;
+        for (index_t tile = 0; tile < ntiles; ++tile) {
+          Dm += ws.d_tile[(tile * M + m) * Bq + i];
+          Pm += ws.p_tile[(tile * M + m) * Bq + i];
+        }
+        row_d[i * M + m] = Pm > 0 ? Dm / Pm : A(0);
       }
     for (index_t tile; (tile = ws.pass2.take(tid)) >= 0;) {
       const auto [cs, ce, n, Ps, Ls, dPs] = tile_keys(tile);
