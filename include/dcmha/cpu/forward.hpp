@@ -458,14 +458,20 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
     errors.rethrow_first();
     return;
   }
-  // Few rows (decoding, short prompts): the whole team shares each block's keys.
+  // Few rows (decoding, short prompts): the whole team shares each block's keys. The panel has
+  // one run of slabs per rank, each long enough for a rank's share of the keys: sized for the
+  // team OpenMP really gave (fewer threads than asked under OMP_THREAD_LIMIT or OMP_DYNAMIC).
   ForwardWorkspace<A> ws;
-  ws.init(d, mask, nt, Bq, detail::WorkspaceAccess::shared<A>(mem, 0, ForwardWorkspace<A>::memory_size(d, mask, nt, Bq)));
 #pragma omp parallel num_threads(nt)
   {
     const Team team{thread_id(), team_size()};
+#pragma omp single
+    errors.attempt([&] {
+      const index_t size = ForwardWorkspace<A>::memory_size(d, mask, team.size, Bq);
+      ws.init(d, mask, team.size, Bq, detail::WorkspaceAccess::shared<A>(mem, 0, size));
+    });
     std::optional<ForwardRows<A>> rows;
-    errors.attempt([&] { rows.emplace(sides, ws, d, narrow); });
+    if (!errors.failed()) errors.attempt([&] { rows.emplace(sides, ws, d, narrow); });
     barrier();
     for (index_t it = 0; it < items && !errors.failed(); ++it) {
       const index_t b = it / d.G, g = it % d.G;

@@ -20,8 +20,12 @@
 
 namespace dcmha::cpu {
 
+/// Threads a call plans its work for. Inside a parallel region that may not nest another
+/// (OpenMP's default: one active level), the call's team will have one thread: plan for one, so
+/// that the call does exactly what a one-thread call outside would do.
 inline int thread_count(int requested) {
 #ifdef _OPENMP
+  if (omp_get_active_level() >= omp_get_max_active_levels()) return 1;
   return requested > 0 ? requested : omp_get_max_threads();
 #else
   (void)requested;
