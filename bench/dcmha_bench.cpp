@@ -3,7 +3,8 @@
 // Names: <dir>/<op>/B<b>/H<h>/T<t>/D<d>/<mask>, dir in {fwd, bwd, fwdbwd}, op in {mha, dcmha},
 // mask in {causal, full, window<w>} (window<w>: causal with a sliding window of w keys, the local
 // layers of DCFormer). Storage is float; <dir>/<op>/bf16/B<b>/... are the same cases with bf16
-// tensors (float arithmetic), for a few shapes. Decoding: decode/<op>/B<b>/H<h>/S<s>/D<d>, one new token per sequence
+// tensors (float arithmetic), for a few shapes; <dir>/<op>/nested/B<b>/... make one call per
+// sequence from each thread of an enclosing OpenMP team of b threads. Decoding: decode/<op>/B<b>/H<h>/S<s>/D<d>, one new token per sequence
 // against a DecodeCache holding s tokens (the new one included). Google Benchmark appends
 // "/real_time" (and "_median" etc. for aggregates) in its reports, so a --benchmark_filter should
 // not anchor the mask with '$'.
@@ -62,6 +63,9 @@ struct Case {
   bool memory_counters;
   index_t window = 0;  // > 0: causal with a sliding window
   bool bf16 = false;   // bf16 storage instead of float
+  // One call per sequence, each made by a thread of an enclosing OpenMP team of B threads (a
+  // caller that is already parallel): what a nested call costs next to one call over the batch.
+  bool nested = false;
 };
 
 const char* name_of(Dir d) { return d == Dir::fwd ? "fwd" : d == Dir::bwd ? "bwd" : "fwdbwd"; }
@@ -69,7 +73,7 @@ const char* name_of(Op o) { return o == Op::mha ? "mha" : "dcmha"; }
 const char* name_of(dcmha::Mask m) { return m == dcmha::Mask::causal ? "causal" : "full"; }
 
 std::string name_of(const Case& c) {
-  return std::string(name_of(c.dir)) + "/" + name_of(c.op) + (c.bf16 ? "/bf16" : "") + "/B" + std::to_string(c.B) + "/H" +
+  return std::string(name_of(c.dir)) + "/" + name_of(c.op) + (c.bf16 ? "/bf16" : "") + (c.nested ? "/nested" : "") + "/B" + std::to_string(c.B) + "/H" +
          std::to_string(c.H) + "/T" + std::to_string(c.T) + "/D" + std::to_string(c.D) + "/" +
          (c.window > 0 ? "window" + std::to_string(c.window) : std::string(name_of(c.mask)));
 }
@@ -108,6 +112,29 @@ void fill_normal(std::vector<dcmha::bf16>& x, float stddev, std::uint64_t seed) 
 // not of allocating and faulting in the kernels' panels on every call. It holds about what the
 // largest case so far needed (the T16384 memory case runs in a process of its own).
 dcmha::Workspace workspace;
+
+/// Sequence b of a batched view (batch dim first), as a batch of one.
+template <class S, int N>
+dcmha::TensorView<S, N> batch_item(dcmha::TensorView<S, N> x, index_t b) {
+  if (x.empty()) return x;
+  x.data += b * x.stride[0];
+  x.shape[0] = 1;
+  return x;
+}
+template <class Terms>
+Terms batch_item_terms(Terms t, index_t b) {  // static W has no batch dim
+  t.qw1 = batch_item(t.qw1, b); t.qw2 = batch_item(t.qw2, b); t.qdd = batch_item(t.qdd, b);
+  t.kw1 = batch_item(t.kw1, b); t.kw2 = batch_item(t.kw2, b); t.kdd = batch_item(t.kdd, b);
+  return t;
+}
+template <class S>
+dcmha::ComposeWeights<S> batch_item(const dcmha::ComposeWeights<S>& c, index_t b) {
+  return {batch_item_terms(c.pre, b), batch_item_terms(c.post, b)};
+}
+template <class S>
+dcmha::ComposeGrads<S> batch_item(const dcmha::ComposeGrads<S>& c, index_t b) {
+  return {batch_item_terms(c.pre, b), batch_item_terms(c.post, b)};
+}
 
 // Every buffer of one problem, in the (B, T, H, D) layout of a real model, in storage type T.
 // Gradients are only allocated when a case needs them so that forward-only runs have the
@@ -168,6 +195,24 @@ struct Problem {
     dcmha::backward(cfg, act(q), act(k), act(v), lse_view(), act(dout), act(dq), act(dk), act(dv),
                     compose, dcompose, workspace);
   }
+
+  /// forward, or backward, of each sequence on its own, from the threads of an OpenMP team of B
+  /// threads, each with a Workspace of its own.
+  void per_sequence(const dcmha::AttentionConfig& cfg, bool backward) {
+    if (nested_workspaces.size() != std::size_t(B)) nested_workspaces = std::vector<dcmha::Workspace>(std::size_t(B));
+#pragma omp parallel for num_threads(int(B)) schedule(static, 1)
+    for (index_t b = 0; b < B; ++b) {
+      auto seq = [b](auto x) { return batch_item(x, b); };
+      dcmha::Workspace& ws = nested_workspaces[std::size_t(b)];
+      if (backward)
+        dcmha::backward(cfg, seq(act(q)), seq(act(k)), seq(act(v)), seq(lse_view()), seq(act(dout)), seq(act(dq)),
+                        seq(act(dk)), seq(act(dv)), batch_item(compose, b), batch_item(dcompose, b), ws);
+      else
+        dcmha::forward(cfg, seq(act(q)), seq(act(k)), seq(act(v)), seq(act(o)), seq(lse_view()),
+                       batch_item(compose, b), ws);
+    }
+  }
+  std::vector<dcmha::Workspace> nested_workspaces;
 
   double io_bytes() const {
     const auto vecs = {&q, &k, &v, &o, &dout, &dq, &dk, &dv, &dynw.data, &dynw_grad.data};
@@ -256,6 +301,11 @@ void run_case_as(benchmark::State& state, const Case& c) {
       if (c.dir != Dir::fwd) p.backward(cfg);
     }
     for (auto _ : state) {
+      if (c.nested) {
+        p.per_sequence(cfg, c.dir == Dir::bwd);
+        benchmark::ClobberMemory();
+        continue;
+      }
       switch (c.dir) {
         case Dir::fwd:
           p.forward(cfg);
@@ -558,6 +608,16 @@ void register_all(bool smoke, bool memory_everywhere) {
     for (Op op : {Op::mha, Op::dcmha})
       register_case({Dir::fwd, op, 1, smoke ? 4 : 32, T, smoke ? 16 : 128, dcmha::Mask::causal,
                      memory_everywhere, window});
+
+  // A caller already inside a parallel region: B = 2 sequences, one call each from the threads of
+  // an enclosing team, next to one call over both.
+  for (Dir dir : {Dir::fwd, Dir::bwd})
+    for (bool nested : {false, true}) {
+      Case c{dir, Op::dcmha, 2, smoke ? 4 : 16, smoke ? 64 : 2048, smoke ? 16 : 64, dcmha::Mask::causal,
+             memory_everywhere};
+      c.nested = nested;
+      register_case(c);
+    }
 
   // Decoding with DCFormer-6.9B's heads: one token, a batch of 1 (latency) and of 8.
   for (index_t S : smoke ? std::vector<index_t>{32, 64} : std::vector<index_t>{1024, 4096, 16384})
