@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Build everything, run the test suite, then prove the installed package works for a consumer.
+# Build everything, run the test suite, prove the installed package works for a consumer, then
+# run the suite again under sanitizers and fuzz the library against the reference.
 #
 #   bash scripts/test.sh
 #
-# Environment: BUILD_DIR (default build), JOBS (default: all cores).
+# Environment: BUILD_DIR (default build), JOBS (default: all cores), SANITIZERS (default "asan";
+# "asan tsan" adds ThreadSanitizer, about 27 minutes more on 2 cores; "" skips them),
+# FUZZ_SECONDS (default 60; 0 skips the fuzzer).
 # Exits non-zero on the first failure.
 set -euo pipefail
 
@@ -26,7 +29,17 @@ step "build (-j$JOBS)"
 cmake --build "$BUILD_DIR" -j "$JOBS"
 
 step "ctest"
-(cd "$BUILD_DIR" && ctest --output-on-failure)
+(cd "$BUILD_DIR" && ctest --output-on-failure) | tee "$BUILD_DIR/ctest.log"
+RECAP=("release: $(grep -E 'tests passed|tests failed' "$BUILD_DIR/ctest.log" | tail -n 1)")
+
+# Runs a command and keeps its last line (its summary) for the recap at the end.
+recap_of() {
+  local log
+  log=$(mktemp "${TMPDIR:-/tmp}/dcmha-step.XXXXXX")
+  "$@" 2>&1 | tee "$log"
+  RECAP+=("$(tail -n 1 "$log")")
+  rm -f "$log"
+}
 
 # The packaging proof: install into a throw-away prefix and build a separate project that only
 # knows that prefix, exactly as a user would.
@@ -48,4 +61,15 @@ cmake -S examples/consumer -B "$WORK/consumer-subdir" -DCMAKE_BUILD_TYPE=Release
 cmake --build "$WORK/consumer-subdir" -j "$JOBS"
 "$WORK/consumer-subdir/consumer"
 
+# The safety net: the whole suite under AddressSanitizer + UBSan (scripts/sanitize.sh; the
+# ThreadSanitizer run takes longer than CI allows and runs by hand), then the fuzzer against the
+# reference for a fixed budget (scripts/fuzz.sh).
+for kind in ${SANITIZERS-asan}; do
+  recap_of bash "$ROOT/scripts/sanitize.sh" "$kind"
+done
+if [ "${FUZZ_SECONDS:-60}" -gt 0 ]; then
+  recap_of bash "$ROOT/scripts/fuzz.sh" "${FUZZ_SECONDS:-60}"
+fi
+
 step "all passed"
+printf '  %s\n' "${RECAP[@]}"
