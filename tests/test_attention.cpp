@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <dcmha/dcmha.hpp>
 
 #include "reference/reference.hpp"
@@ -22,27 +23,34 @@ constexpr double tolerance() {
   return std::is_same_v<T, double> ? 1e-9 : 2e-4;
 }
 
-/// Runs forward and backward of the production path and compares every output and gradient
-/// with the reference.
+/// Runs forward and backward of the production path with each thread count and compares every
+/// output and gradient with the reference, computed once.
 template <class T>
-void check_against_reference(const ProblemSpec& spec, uint64_t seed, int threads,
-                             Layout layout = Layout::bhtd) {
-  SCOPED_TRACE(spec.str() + " threads=" + std::to_string(threads) +
-               (layout == Layout::bthd ? " bthd" : " bhtd") + " seed=" + std::to_string(seed));
+void check_against_reference(const ProblemSpec& spec, uint64_t seed,
+                             std::initializer_list<int> thread_counts, Layout layout = Layout::bhtd) {
   const dcmha::reference::Problem p = dcmha::test::random_problem(spec, seed);
   const std::vector<double> dout = dcmha::test::random_dout(p, seed);
   const std::vector<double> expected_out = dcmha::reference::forward(p);
   const dcmha::reference::Gradients expected = dcmha::reference::backward(p, dout);
+  for (int threads : thread_counts) {
+    SCOPED_TRACE(spec.str() + " threads=" + std::to_string(threads) +
+                 (layout == Layout::bthd ? " bthd" : " bhtd") + " seed=" + std::to_string(seed));
+    TypedProblem<T> tp(p, layout);
+    tp.num_threads = threads;
+    tp.set_dout(dout);
+    dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
+    EXPECT_LE(dcmha::test::max_rel_error(expected_out, tp.out_values()), tolerance<T>()) << "out";
+    dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
+                    tp.dv(), tp.compose(), tp.dcompose());
+    for (const auto& e : dcmha::test::gradient_errors(expected, tp.gradients()))
+      EXPECT_LE(e.rel, tolerance<T>()) << e.name;
+  }
+}
 
-  TypedProblem<T> tp(p, layout);
-  tp.num_threads = threads;
-  tp.set_dout(dout);
-  dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
-  EXPECT_LE(dcmha::test::max_rel_error(expected_out, tp.out_values()), tolerance<T>()) << "out";
-  dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
-                  tp.dv(), tp.compose(), tp.dcompose());
-  for (const auto& e : dcmha::test::gradient_errors(expected, tp.gradients()))
-    EXPECT_LE(e.rel, tolerance<T>()) << e.name;
+template <class T>
+void check_against_reference(const ProblemSpec& spec, uint64_t seed, int threads,
+                             Layout layout = Layout::bhtd) {
+  check_against_reference<T>(spec, seed, {threads}, layout);
 }
 
 /// `values` followed by every gradient of g, in named_gradients' order.
@@ -111,8 +119,7 @@ TYPED_TEST(AttentionVsReference, OfficialDcformerConfiguration) {
     s.B = 1; s.H = 8; s.Hk = 8; s.T = 70; s.S = 70; s.D = 16; s.Dv = 16; s.G = 1;
     s.causal = causal;
     s.pre = s.post = SideSpec::dynamic();
-    for (int threads : {1, 2})
-      check_against_reference<TypeParam>(s, 7, threads, Layout::bthd);
+    check_against_reference<TypeParam>(s, 7, {1, 2}, Layout::bthd);
   }
 }
 
@@ -123,7 +130,7 @@ TYPED_TEST(AttentionVsReference, QueryBlockEdges) {
     ProblemSpec s;
     s.B = 1; s.H = 2; s.Hk = 1; s.T = T; s.S = T; s.D = 4; s.Dv = 4; s.G = 1; s.Rq = 1; s.Rk = 2;
     s.causal = true;
-    for (int threads : {1, 2}) check_against_reference<TypeParam>(s, T, threads);
+    check_against_reference<TypeParam>(s, T, {1, 2});
   }
   // The forward's 128-row blocks, used from 8 blocks per thread on (cpu/forward.hpp): the last
   // block one row short, exact, one row long.
@@ -160,7 +167,7 @@ TYPED_TEST(AttentionVsReference, KeyTileEdges) {
     s.B = 1; s.H = 4; s.Hk = 2; s.T = 3; s.S = S; s.D = 4; s.Dv = 6; s.G = 2;
     for (bool causal : {false, true}) {
       s.causal = causal;
-      for (int threads : {1, 2, 3}) check_against_reference<TypeParam>(s, S, threads);
+      check_against_reference<TypeParam>(s, S, {1, 2, 3});
     }
   }
 }
@@ -180,7 +187,7 @@ TYPED_TEST(AttentionVsReference, ProductTileEdges) {
       s.B = 1; s.H = 8; s.Hk = 4; s.T = T; s.S = S; s.D = 20; s.Dv = 13; s.G = 1; s.Rq = 2; s.Rk = 1;
       s.pre = s.post = SideSpec::dynamic();
       s.causal = T == S;
-      for (int threads : {1, 2}) check_against_reference<TypeParam>(s, S + T, threads);
+      check_against_reference<TypeParam>(s, S + T, {1, 2});
     }
   }
 }
@@ -190,7 +197,7 @@ TYPED_TEST(AttentionVsReference, SingleQueryAndSingleKey) {
     for (bool causal : {false, true}) {
       ProblemSpec s;
       s.T = T; s.S = S; s.causal = causal;
-      for (int threads : {1, 2}) check_against_reference<TypeParam>(s, 3, threads);
+      check_against_reference<TypeParam>(s, 3, {1, 2});
     }
   }
 }
@@ -199,7 +206,7 @@ TYPED_TEST(AttentionVsReference, RowsThatSeeNoKeyGiveZeros) {
   // Causal with T > S: the first T - S query rows see no key.
   ProblemSpec s;
   s.B = 2; s.H = 4; s.T = 20; s.S = 6; s.causal = true;
-  for (int threads : {1, 2}) check_against_reference<TypeParam>(s, 11, threads);
+  check_against_reference<TypeParam>(s, 11, {1, 2});
 
   const auto p = dcmha::test::random_problem(s, 11);
   TypedProblem<TypeParam> tp(p);
@@ -226,7 +233,7 @@ TYPED_TEST(AttentionVsReference, WindowedAttention) {
     s.causal = true;
     s.window = W;
     s.pre = s.post = SideSpec::dynamic();
-    for (int threads : {1, 2}) check_against_reference<TypeParam>(s, W, threads);
+    check_against_reference<TypeParam>(s, W, {1, 2});
   }
 }
 
