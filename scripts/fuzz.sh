@@ -3,7 +3,7 @@
 #
 #   bash scripts/fuzz.sh [SECONDS]        (default 60)
 #
-# With clang's libFuzzer: builds only fuzz_dcmha, with ASan and UBSan at -O1 -g, in build-fuzz/,
+# With clang's libFuzzer: builds only fuzz_dcmha, with ASan and UBSan at -O1 -g1, in build-fuzz/,
 # copies the seed corpus (tests/fuzz/corpus, never written) into a scratch corpus there and runs
 # libFuzzer on it. Without libFuzzer: builds the same harness as a plain driver with g++ and
 # ASan in build-fuzzplain/ and runs it on random inputs after the seed corpus.
@@ -39,7 +39,7 @@ configure() {  # build dir, C compiler, C++ compiler, extra cmake arguments...
   local dir="$1" cc="$2" cxx="$3"
   shift 3
   CC="$cc" CXX="$cxx" cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g" -DDCMHA_BUILD_TESTS=ON \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DDCMHA_BUILD_TESTS=ON \
     -DDCMHA_BUILD_BENCHMARKS=OFF -DDCMHA_BUILD_EXAMPLES=OFF -DDCMHA_INSTALL=OFF "$@" >/dev/null
 }
 
@@ -59,7 +59,7 @@ show_failure() {  # log
 use_libfuzzer=no
 BUILD_DIR="${BUILD_DIR:-build-fuzz}"
 if [ "$FUZZ_ENGINE" != plain ] && command -v clang++ >/dev/null 2>&1; then
-  step "configure $BUILD_DIR (clang, libFuzzer, ASan + UBSan, -O1 -g)"
+  step "configure $BUILD_DIR (clang, libFuzzer, ASan + UBSan, -O1 -g1)"
   configure "$BUILD_DIR" clang clang++ -DDCMHA_FUZZ_LIBFUZZER=ON
   if grep -q '^DCMHA_HAVE_LIBFUZZER:INTERNAL=1' "$BUILD_DIR/CMakeCache.txt"; then
     use_libfuzzer=yes

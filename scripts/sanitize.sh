@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Build the tests with a sanitizer and run every one of them.
+# Build the library's tests with a sanitizer and run every one of them.
 #
-#   bash scripts/sanitize.sh asan   # AddressSanitizer + UndefinedBehaviorSanitizer (g++, -O1 -g)
+#   bash scripts/sanitize.sh asan   # AddressSanitizer + UndefinedBehaviorSanitizer (g++, -O1 -g1)
 #   bash scripts/sanitize.sh tsan   # ThreadSanitizer (clang + LLVM's libomp and its Archer tool)
 #
 # Every report is fatal. Tests shrink the few problems that are large for their purpose (the
@@ -21,6 +21,8 @@ case "$KIND" in
     dcmha_require_packages cmake make g++ libeigen3-dev libgtest-dev libbenchmark-dev
     compiler=(-DCMAKE_CXX_COMPILER=g++)
     sanitize=address
+    # scripts/fuzz.sh replays the fuzzer's corpus under clang's ASan + UBSan.
+    fuzzer=OFF
     ;;
   tsan)
     # libomp-14-dev: LLVM's OpenMP runtime with libarcher; libclang-rt-14-dev: TSan's runtime.
@@ -28,17 +30,20 @@ case "$KIND" in
       libgtest-dev libbenchmark-dev
     compiler=(-DCMAKE_CXX_COMPILER=clang++)
     sanitize=thread
+    fuzzer=ON
     ;;
   *) die "usage: bash scripts/sanitize.sh {asan|tsan}" ;;
 esac
 BUILD_DIR="${BUILD_DIR:-build-$KIND}"
 
-# Optimized (-O1) so that the suite finishes; -g1 (line tables) for the reports' stack traces. Benchmarks and
-# examples are built too: their smoke tests belong to the suite.
+# Optimized (-O1) so that the suite finishes; -g1 (line tables) for the reports' stack traces.
+# The library's tests and the conformance runner; the benchmark's and the example's smoke tests
+# run in the Release suite.
 step "configure ($BUILD_DIR, $KIND)"
 cmake -S . -B "$BUILD_DIR" "${compiler[@]}" -DDCMHA_SANITIZE="$sanitize" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
-  -DDCMHA_BUILD_TESTS=ON -DDCMHA_BUILD_BENCHMARKS=ON -DDCMHA_BUILD_EXAMPLES=ON >/dev/null
+  -DDCMHA_BUILD_TESTS=ON -DDCMHA_BUILD_BENCHMARKS=OFF -DDCMHA_BUILD_EXAMPLES=OFF \
+  -DDCMHA_BUILD_FUZZER="$fuzzer" >/dev/null
 
 step "build (-j$JOBS)"
 cmake --build "$BUILD_DIR" -j "$JOBS"

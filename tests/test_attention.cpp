@@ -30,8 +30,7 @@ void check_against_reference(const ProblemSpec& spec, uint64_t seed,
                              std::initializer_list<int> thread_counts, Layout layout = Layout::bhtd) {
   const dcmha::reference::Problem p = dcmha::test::random_problem(spec, seed);
   const std::vector<double> dout = dcmha::test::random_dout(p, seed);
-  const std::vector<double> expected_out = dcmha::reference::forward(p);
-  const dcmha::reference::Gradients expected = dcmha::reference::backward(p, dout);
+  const auto [expected_out, expected] = dcmha::reference::forward_and_backward(p, dout);
   for (int threads : thread_counts) {
     SCOPED_TRACE(spec.str() + " threads=" + std::to_string(threads) +
                  (layout == Layout::bthd ? " bthd" : " bhtd") + " seed=" + std::to_string(seed));

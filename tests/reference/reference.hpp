@@ -300,11 +300,8 @@ inline Intermediates forward_intermediates(const Problem& p) {
   return it;
 }
 
-}  // namespace detail
-
-/// O (B, H, T, Dv).
-inline std::vector<double> forward(const Problem& p) {
-  const detail::Intermediates it = detail::forward_intermediates(p);
+/// O (B, H, T, Dv) from the forward's intermediates.
+inline std::vector<double> output(const Problem& p, const Intermediates& it) {
   std::vector<double> out(p.B * p.H * p.T * p.Dv, 0.0);
   // 6. O = P' V
   for (int64_t b = 0; b < p.B; ++b)
@@ -318,10 +315,8 @@ inline std::vector<double> forward(const Problem& p) {
   return out;
 }
 
-/// Gradients of sum(forward(p) * dout) with respect to every input.
-inline Gradients backward(const Problem& p, const std::vector<double>& dout) {
-  using namespace detail;
-  const Intermediates it = forward_intermediates(p);
+/// Gradients of sum(O * dout) with respect to every input, from the forward's intermediates.
+inline Gradients gradients(const Problem& p, const Intermediates& it, const std::vector<double>& dout) {
   check_size("dout", dout, p.B * p.H * p.T * p.Dv);
   const double scale = scale_of(p);
   const int64_t n = p.B * p.H * p.T * p.S;
@@ -395,6 +390,29 @@ inline Gradients backward(const Problem& p, const std::vector<double>& dout) {
             g.dk[ik] += gl * p.q[iq];
           }
   return g;
+}
+
+}  // namespace detail
+
+/// O (B, H, T, Dv).
+inline std::vector<double> forward(const Problem& p) {
+  return detail::output(p, detail::forward_intermediates(p));
+}
+
+/// Gradients of sum(forward(p) * dout) with respect to every input.
+inline Gradients backward(const Problem& p, const std::vector<double>& dout) {
+  return detail::gradients(p, detail::forward_intermediates(p), dout);
+}
+
+/// forward(p) and backward(p, dout) from one pass over the forward's intermediates.
+struct ForwardAndBackward {
+  std::vector<double> out;
+  Gradients grads;
+};
+
+inline ForwardAndBackward forward_and_backward(const Problem& p, const std::vector<double>& dout) {
+  const detail::Intermediates it = detail::forward_intermediates(p);
+  return {detail::output(p, it), detail::gradients(p, it, dout)};
 }
 
 }  // namespace dcmha::reference
