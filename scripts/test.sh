@@ -64,11 +64,12 @@ cmake --build "$WORK/consumer-subdir" -j "$JOBS"
 # The safety net: the whole suite under AddressSanitizer + UBSan (scripts/sanitize.sh; the
 # ThreadSanitizer run takes longer than CI allows and runs by hand), then the fuzzer against the
 # reference for a fixed budget (scripts/fuzz.sh).
+# Each in its own default build directory: BUILD_DIR names this script's Release tree only.
 for kind in ${SANITIZERS-asan}; do
-  recap_of bash "$ROOT/scripts/sanitize.sh" "$kind"
+  recap_of env -u BUILD_DIR bash "$ROOT/scripts/sanitize.sh" "$kind"
 done
 if [ "${FUZZ_SECONDS:-60}" -gt 0 ]; then
-  recap_of bash "$ROOT/scripts/fuzz.sh" "${FUZZ_SECONDS:-60}"
+  recap_of env -u BUILD_DIR bash "$ROOT/scripts/fuzz.sh" "${FUZZ_SECONDS:-60}"
 fi
 
 step "all passed"
