@@ -430,6 +430,29 @@ TYPED_TEST(AttentionVsReference, BackwardKeyTilesWithWindowsAndPadding) {
   }
 }
 
+/// Outputs may interleave in one buffer (detail/checks.hpp): dK and dV side by side in rows of
+/// D + Dv get bitwise the gradients of separate buffers, and every element of the rows is written.
+TYPED_TEST(AttentionVsReference, GradientsInterleavedInOneBuffer) {
+  ProblemSpec s;
+  s.B = 2; s.H = 4; s.Hk = 2; s.T = 70; s.S = 70; s.D = 8; s.Dv = 12; s.G = 2; s.causal = true;
+  s.pre = s.post = SideSpec::dynamic();
+  const auto p = dcmha::test::random_problem(s, 5);
+  TypedProblem<TypeParam> tp(p);
+  tp.set_dout(dcmha::test::random_dout(p, 5));
+  dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
+  dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
+                  tp.dv(), tp.compose(), tp.dcompose());
+  const int64_t row = s.D + s.Dv;
+  std::vector<TypeParam> both(static_cast<size_t>(s.B * s.Hk * s.S * row), TypeParam(0.5));
+  const dcmha::Shape<4> stride{s.Hk * s.S * row, s.S * row, row, 1};
+  dcmha::TensorView<TypeParam, 4> dk(both.data(), {s.B, s.Hk, s.S, s.D}, stride);
+  dcmha::TensorView<TypeParam, 4> dv(both.data() + s.D, {s.B, s.Hk, s.S, s.Dv}, stride);
+  dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), dk, dv,
+                  tp.compose(), tp.dcompose());
+  EXPECT_EQ(first_bitwise_difference(dcmha::test::to_canonical(tp.dk()), dcmha::test::to_canonical(dk)), -1);
+  EXPECT_EQ(first_bitwise_difference(dcmha::test::to_canonical(tp.dv()), dcmha::test::to_canonical(dv)), -1);
+}
+
 /// A Workspace kept across calls of different shapes (growing, then smaller again; one team and
 /// whole items per thread; MHA and DCMHA) gives bitwise the results of calls without one, and
 /// grows no further when shapes it has seen come again.

@@ -927,7 +927,7 @@ TEST(DecodeMisuse, AppendShapes) {
   expect_rejected(kAppend, [&] { c.append(m.alloc<4>({B, Hk, 2, D + 1}), m.v(2), m.key_side(2)); },
                   {"k_new.shape[3] (D)", "expected 8", "config.D", "got 9"});
   expect_rejected(kAppend, [&] { c.append(m.alloc<4>({B, 1, 2, D}), m.v(2), m.key_side(2)); },
-                  {"k_new.shape[1] (H)", "expected 2", "config.Hk", "got 1"});
+                  {"k_new.shape[1] (Hk)", "expected 2", "config.Hk", "got 1"});
   expect_rejected(kAppend, [&] { c.append(m.alloc<4>({B + 1, Hk, 2, D}), m.v(2), m.key_side(2)); },
                   {"k_new.shape[0] (B)", "config.B", "got 3"});
   expect_rejected(kAppend, [&] { c.append(m.k(2), m.v(3), m.key_side(2)); },

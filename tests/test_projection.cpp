@@ -673,86 +673,89 @@ TEST_F(ProjectionValidation, Config) {
 TEST_F(ProjectionValidation, EmptyInputs) {
   auto x0 = x;
   x.data = nullptr;
-  both("x: expected a tensor, got an empty view");
+  both("x: expected a tensor (B, L, E), got an empty view");
   x = x0;
   auto p0 = p;
   p.dw1.data = nullptr;
-  both("dw1: expected a tensor, got an empty view");
+  both("dw1: expected a tensor (E, G, 4, K), got an empty view");
   p = p0;
   p.qkw.data = nullptr;
-  both("qkw: expected a tensor, got an empty view");
+  both("qkw: expected a tensor (G, 4, K, 2R, M), got an empty view");
   p = p0;
   p.dd.data = nullptr;
-  both("dd: expected a tensor, got an empty view");
+  both("dd: expected a tensor (E, G, 4M), got an empty view");
 }
 
 TEST_F(ProjectionValidation, EmptyOutputsAndUpstreamGradients) {
   for (auto& [name, f] : low_rank_fields(out)) {
     auto keep = *f;
     f->data = nullptr;
-    expect_error([&] { fwd(); }, kFwd + ("out." + name + ": expected a tensor, got an empty view"));
+    expect_error([&] { fwd(); }, kFwd + ("out." + name + ": expected a tensor (B, L, G, R, M), got an empty view"));
     *f = keep;
   }
   for (auto& [name, f] : gate_fields(out)) {
     auto keep = *f;
     f->data = nullptr;
-    expect_error([&] { fwd(); }, kFwd + ("out." + name + ": expected a tensor, got an empty view"));
+    expect_error([&] { fwd(); }, kFwd + ("out." + name + ": expected a tensor (B, L, G, M), got an empty view"));
     *f = keep;
   }
   for (auto& [name, f] : low_rank_fields(dout)) {
     auto keep = *f;
     f->data = nullptr;
-    expect_error([&] { bwd(); }, kBwd + ("dout." + name + ": expected a tensor, got an empty view"));
+    expect_error([&] { bwd(); }, kBwd + ("dout." + name + ": expected a tensor (B, L, G, R, M), got an empty view"));
     *f = keep;
   }
   for (auto& [name, f] : gate_fields(dout)) {
     auto keep = *f;
     f->data = nullptr;
-    expect_error([&] { bwd(); }, kBwd + ("dout." + name + ": expected a tensor, got an empty view"));
+    expect_error([&] { bwd(); }, kBwd + ("dout." + name + ": expected a tensor (B, L, G, M), got an empty view"));
     *f = keep;
   }
   auto dx0 = dx;
   dx.data = nullptr;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "dx: expected a tensor, got an empty view");
+  expect_error([&] { bwd(); }, std::string(kBwd) + "dx: expected a tensor (B, L, E), got an empty view");
   dx = dx0;
   auto g0 = grads;
   grads.dw1.data = nullptr;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dw1: expected a tensor, got an empty view");
+  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dw1: expected a tensor (E, G, 4, K), got an empty view");
   grads = g0;
   grads.qkw.data = nullptr;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.qkw: expected a tensor, got an empty view");
+  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.qkw: expected a tensor (G, 4, K, 2R, M), got an empty view");
   grads = g0;
   grads.dd.data = nullptr;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dd: expected a tensor, got an empty view");
+  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dd: expected a tensor (E, G, 4M), got an empty view");
 }
 
 TEST_F(ProjectionValidation, NonPositiveDims) {
   auto x0 = x;
+  const char* x_what[3] = {"B", "L", "E"};
   for (int k = 0; k < 3; ++k) {
     x.shape[k] = 0;
-    both("x.shape[" + std::to_string(k) + "]: expected a positive size, got 0");
+    both("x.shape[" + std::to_string(k) + "] (" + x_what[k] + "): expected >= 1, got 0");
     x = x0;
   }
   auto p0 = p;
   p.dw1.shape[3] = -1;
-  both("dw1.shape[3]: expected a positive size, got -1");
+  both("dw1.shape[3] (K): expected >= 1, got -1");
   p = p0;
   p.qkw.shape[4] = 0;
-  both("qkw.shape[4]: expected a positive size, got 0");
+  both("qkw.shape[4] (M): expected >= 1, got 0");
   p = p0;
   p.dd.shape[1] = 0;
-  both("dd.shape[1]: expected a positive size, got 0");
+  both("dd.shape[1] (G): expected >= 1, got 0");
   p = p0;
+  // Every other size must equal one fixed by x and the parameters, which the message names.
   out.post.kw2.shape[3] = 0;
-  expect_error([&] { fwd(); }, std::string(kFwd) + "out.post.kw2.shape[3]: expected a positive size, got 0");
+  expect_error([&] { fwd(); },
+               std::string(kFwd) + "out.post.kw2.shape[3] (R): expected 2 (qkw.shape[3] / 2), got 0");
   dout.pre.kdd.shape[0] = 0;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "dout.pre.kdd.shape[0]: expected a positive size, got 0");
+  expect_error([&] { bwd(); }, std::string(kBwd) + "dout.pre.kdd.shape[0] (B): expected 2 (x.shape[0]), got 0");
   dout = pr.dout.views();
   dx.shape[2] = 0;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "dx.shape[2]: expected a positive size, got 0");
+  expect_error([&] { bwd(); }, std::string(kBwd) + "dx.shape[2] (E): expected 5 (x.shape[2]), got 0");
   dx = pr.dx.v;
   grads.qkw.shape[0] = 0;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.qkw.shape[0]: expected a positive size, got 0");
+  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.qkw.shape[0] (G): expected 2 (qkw.shape[0]), got 0");
 }
 
 TEST_F(ProjectionValidation, ParameterShapes) {
@@ -873,8 +876,8 @@ TEST_F(ProjectionValidation, OutputsMustNotAliasInputs) {
   x = TensorView<const float, 3>(big.v.data, {2, 3, 5}, {15, 5, 1});
   out.post.qdd = TensorView<float, 4>(big.v.data + 29, {2, 3, 2, 3}, {18, 6, 3, 1});
   expect_error([&] { fwd(); }, std::string(kFwd) +
-                                   "out.post.qdd: expected memory disjoint from input x, got "
-                                   "overlapping address ranges");
+                                   "out.post.qdd: expected memory disjoint from input x "
+                                   "(out.post.qdd is written), got overlapping byte ranges [0x");
   x = pr.x.c();
   out = pr.out.views();
   // Overlapping only at the last element of dw1, with negative strides: the lowest address
@@ -919,16 +922,56 @@ TEST_F(ProjectionValidation, OutputsMustNotAliasInputs) {
 }
 
 TEST_F(ProjectionValidation, OutputsMustBeDistinct) {
+  // Outputs are checked in order, each against the ones after it.
   out.post.kw2 = out.pre.qw1;
   expect_error([&] { fwd(); }, std::string(kFwd) +
-                                   "out.post.kw2: expected memory distinct from output "
-                                   "out.pre.qw1, got the same address");
+                                   "out.pre.qw1: expected memory disjoint from output "
+                                   "out.post.kw2 (both are written");
+  expect_error([&] { fwd(); }, ", both starting at 0x");
   Owned<float, 1> pool({400}, Layout::contiguous);
   dx = TensorView<float, 3>(pool.v.data, dx.shape, dx.stride);
   grads.dd = TensorView<float, 3>(pool.v.data, grads.dd.shape, grads.dd.stride);
   expect_error([&] { bwd(); }, std::string(kBwd) +
-                                   "grads.dd: expected memory distinct from output dx, got the "
-                                   "same address");
+                                   "dx: expected memory disjoint from output grads.dd (both are "
+                                   "written");
+  expect_error([&] { bwd(); }, ", both starting at 0x");
+}
+
+// Two outputs may share a buffer only where their strides keep every element apart.
+TEST_F(ProjectionValidation, OutputsMayInterleaveWithoutSharedElements) {
+  const Shape<5> w{d.B, d.L, d.G, d.R, d.M};
+  const Shape<4> g{d.B, d.L, d.G, d.M};
+  // One (B, L, G, 2R + 1, M) buffer holding qw1, qw2 and qdd: rows of different shapes.
+  const index_t row = (2 * d.R + 1) * d.M;
+  const Shape<5> ws{d.L * d.G * row, d.G * row, row, d.M, 1};
+  const Shape<4> gs{d.L * d.G * row, d.G * row, row, 1};
+  Owned<float, 1> packed({d.B * d.L * d.G * row}, Layout::contiguous);
+  out.pre.qw1 = TensorView<float, 5>(packed.v.data, w, ws);
+  out.pre.qw2 = TensorView<float, 5>(packed.v.data + d.R * d.M, w, ws);
+  out.pre.qdd = TensorView<float, 4>(packed.v.data + 2 * d.R * d.M, g, gs);
+  EXPECT_NO_THROW(fwd());
+  // Shifted by one element, qw2's last column falls on qdd's first.
+  out.pre.qw2.data += 1;
+  expect_error([&] { fwd(); }, std::string(kFwd) +
+                                   "out.pre.qw2: expected memory disjoint from output out.pre.qdd");
+  out = pr.out.views();
+  // Overlapping without the same start: rejected as well.
+  Owned<float, 1> both({2 * d.B * d.L * d.G * d.R * d.M}, Layout::contiguous);
+  out.post.kw1 = TensorView<float, 5>(both.v.data, w, dcmha::contiguous_strides<5>(w));
+  out.post.kw2 = TensorView<float, 5>(both.v.data + 5, w, dcmha::contiguous_strides<5>(w));
+  expect_error([&] { fwd(); }, std::string(kFwd) +
+                                   "out.post.kw1: expected memory disjoint from output out.post.kw2");
+}
+
+TEST_F(ProjectionValidation, OutputsMustNotOverlapThemselves) {
+  out.pre.qdd.stride[1] = 0;
+  expect_error([&] { fwd(); }, std::string(kFwd) +
+                                   "out.pre.qdd.stride[1]: expected >= 1 (out.pre.qdd is written, "
+                                   "its elements must not overlap), got 0");
+  out = pr.out.views();
+  grads.dw1.stride[0] = 8;  // (5, 2, 4, 4): E rows 8 apart, inside one (splits, K) block of 16
+  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dw1.stride[0]: expected >= 16 (grads.dw1 is "
+                                                   "written, its elements must not overlap), got 8");
 }
 
 TEST_F(ProjectionValidation, KeptActivations) {

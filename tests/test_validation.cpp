@@ -294,6 +294,20 @@ TYPED_TEST(Validation, AcceptsOutputsAdjacentInOneBuffer) {
   p.expect_dims(p.check_backward(), p.H);
 }
 
+TYPED_TEST(Validation, AcceptsOutputsInterleavedInOneBuffer) {
+  Problem<TypeParam> p;
+  // dk and dv side by side in rows of D + Dv: overlapping ranges, no shared element.
+  const index_t row = p.D + p.Dv;
+  auto both = p.template alloc<4>({p.B, p.Hk, p.S, row});
+  p.dk = TensorView<TypeParam, 4>(both.data, {p.B, p.Hk, p.S, p.D}, both.stride);
+  p.dv = TensorView<TypeParam, 4>(both.data + p.D, {p.B, p.Hk, p.S, p.Dv}, both.stride);
+  p.expect_dims(p.check_backward(), p.H);
+  // One element further left, each dv row covers the last element of a dk row.
+  p.dv.data -= 1;
+  expect_backward_rejected(p, {"dk: expected memory disjoint from output dv (both are written",
+                               "got overlapping byte ranges"});
+}
+
 TYPED_TEST(Validation, AcceptsConfigVariants) {
   Problem<TypeParam> p;
   p.cfg.mask = dcmha::Mask::full;

@@ -79,15 +79,10 @@ void check_query_side(const char* fn, const ComposeWeights<T>& qs, const DecodeC
       fail(fn, ": ", arg, ".key_wise: expected off (key-wise terms of every cached key come from the "
            "cache; pass the new tokens' ones to DecodeCache::append), got on");
     // The cache's G is the layer's: query-wise terms of another grouping would mix other heads.
-    auto check_g = [&](const char* name, index_t g, int dim) {
-      if (g != cc.G)
-        fail(fn, ": ", arg, ".", name, ".shape[", dim, "] (G): expected ", cc.G,
-             " (cache.config().G), got ", g);
-    };
-    if (!c.w.empty()) check_g("w", c.w.shape[0], 0);
-    if (!c.qw1.empty()) check_g("qw1", c.qw1.shape[2], 2);
-    if (!c.qw2.empty()) check_g("qw2", c.qw2.shape[2], 2);
-    if (!c.qdd.empty()) check_g("qdd", c.qdd.shape[2], 2);
+    if (!c.w.empty()) check_dim(fn, arg + ".w", c.w, 0, "G", cc.G, "cache.config().G");
+    if (!c.qw1.empty()) check_dim(fn, arg + ".qw1", c.qw1, 2, "G", cc.G, "cache.config().G");
+    if (!c.qw2.empty()) check_dim(fn, arg + ".qw2", c.qw2, 2, "G", cc.G, "cache.config().G");
+    if (!c.qdd.empty()) check_dim(fn, arg + ".qdd", c.qdd, 2, "G", cc.G, "cache.config().G");
   }
 }
 
@@ -110,10 +105,11 @@ void decode_step(const char* fn, const AttentionConfig& cfg, TensorView<const T,
     fail(fn, ": cache: expected the new tokens appended (call DecodeCache::append before decode), "
          "got no append since construction or reset()");
   require_given(fn, "q_new", q_new, "(B, H, n, D)");
-  check_dim(fn, "q_new", q_new, 0, cc.B, "B", "cache.config().B");
-  check_dim(fn, "q_new", q_new, 1, cc.H, "H", "cache.config().H");
-  check_dim(fn, "q_new", q_new, 2, cache.last_step(), "n", "the n of the last DecodeCache::append");
-  check_dim(fn, "q_new", q_new, 3, cc.D, "D", "cache.config().D");
+  check_shape(fn, "q_new", q_new,
+              {{"B", cc.B, "cache.config().B"},
+               {"H", cc.H, "cache.config().H"},
+               {"n", cache.last_step(), "the n of the last DecodeCache::append"},
+               {"D", cc.D, "cache.config().D"}});
   check_query_side(fn, query_side, cc);
 
   const index_t B = cc.B, cap = cache.capacity();

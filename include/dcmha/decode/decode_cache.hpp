@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "../compose_weights.hpp"
+#include "../detail/checks.hpp"
 #include "../error.hpp"
 #include "../tensor.hpp"
 
@@ -300,92 +301,101 @@ class DecodeCache {
       }
   }
 
-  template <class V>
-  void check_shape(const char* fn, const std::string& name, const V& t, const char* dims,
-                   const index_t* expected, const char* const* sources) const {
-    for (int d = 0; d < V::rank; ++d)
-      if (t.shape[d] != expected[d])
-        detail::fail(fn, ": ", name, ".shape[", d, "] (", dims[d], "): expected ", expected[d], " (",
-             sources[d], "), got ", t.shape[d]);
-    for (int d = 0; d < V::rank; ++d)
-      if (t.stride[d] < 0) detail::fail(fn, ": ", name, ".stride[", d, "]: expected >= 0, got ", t.stride[d]);
-  }
-
+  // append()'s checks, in order: k_new and v_new (which fix n), key_side, counts, capacity.
   index_t validate_append(const char* fn, const TensorView<const T, 4>& k_new,
                           const TensorView<const T, 4>& v_new, const ComposeWeights<T>& ks,
                           const TensorView<const index_t, 1>& counts) const {
-    if (k_new.empty()) detail::fail(fn, ": k_new: expected a tensor (B, Hk, n, D), got an empty view");
-    if (v_new.empty()) detail::fail(fn, ": v_new: expected a tensor (B, Hk, n, Dv), got an empty view");
+    const index_t n = check_new_kv(fn, k_new, v_new);
+    check_key_side(fn, "pre", ks.pre, cfg_.pre_key_wise, n);
+    check_key_side(fn, "post", ks.post, cfg_.post_key_wise, n);
+    check_counts(fn, counts, n);
+    check_capacity(fn, counts, n);
+    return n;
+  }
+
+  index_t check_new_kv(const char* fn, const TensorView<const T, 4>& k_new,
+                       const TensorView<const T, 4>& v_new) const {
+    detail::require_given(fn, "k_new", k_new, "(B, Hk, n, D)");
+    detail::require_given(fn, "v_new", v_new, "(B, Hk, n, Dv)");
     const index_t n = k_new.shape[2];
-    if (n < 1) detail::fail(fn, ": k_new.shape[2] (n): expected >= 1, got ", n);
+    detail::check_positive(fn, "k_new", k_new, 2, "n");
     if (n > cfg_.max_step)
       detail::fail(fn, ": k_new.shape[2] (n): expected <= ", cfg_.max_step, " (config.max_step), got ", n);
-    {
-      const index_t e[4] = {cfg_.B, cfg_.Hk, n, cfg_.D};
-      const char* src[4] = {"config.B", "config.Hk", "n", "config.D"};
-      check_shape(fn, "k_new", k_new, "BHnD", e, src);
-    }
-    {
-      const index_t e[4] = {cfg_.B, cfg_.Hk, n, cfg_.Dv};
-      const char* src[4] = {"config.B", "config.Hk", "k_new.shape[2]", "config.Dv"};
-      check_shape(fn, "v_new", v_new, "BHnV", e, src);
-    }
-
-    const char* side_names[2] = {"pre", "post"};
-    const ComposeTerms<T>* sides[2] = {&ks.pre, &ks.post};
-    const index_t M = cfg_.H / cfg_.G;
-    for (int s = 0; s < 2; ++s) {
-      const ComposeTerms<T>& c = *sides[s];
-      const std::string arg = std::string("key_side.") + side_names[s];
-      if (c.static_w || !c.w.empty())
-        detail::fail(fn, ": ", arg, ".static_w: expected off (the static W is passed to decode's query_side), got on");
-      if (c.query_wise || !c.qw1.empty() || !c.qw2.empty() || !c.qdd.empty())
-        detail::fail(fn, ": ", arg,
-             ".query_wise: expected off (query-wise terms are passed to decode's query_side), got on");
-      const bool want = s == 0 ? cfg_.pre_key_wise : cfg_.post_key_wise;
-      if (c.key_wise != want)
-        detail::fail(fn, ": ", arg, ".key_wise: expected ", want ? "on" : "off", " (config.", side_names[s],
-             "_key_wise), got ", c.key_wise ? "on" : "off");
-      const std::pair<const char*, const TensorView<const T, 5>*> lowrank[2] = {{"kw1", &c.kw1},
-                                                                                {"kw2", &c.kw2}};
-      for (const auto& [name, t] : lowrank) {
-        if (!want) {
-          if (!t->empty())
-            detail::fail(fn, ": ", arg, ".", name, ": given but key_wise is off: expected an empty view, got a tensor");
-          continue;
-        }
-        if (t->empty())
-          detail::fail(fn, ": ", arg, ".", name, ": expected a tensor (B, n, G, Rk, M), got an empty view");
-        const index_t e[5] = {cfg_.B, n, cfg_.G, cfg_.Rk, M};
-        const char* src[5] = {"config.B", "k_new.shape[2]", "config.G", "config.Rk", "config.H / config.G"};
-        check_shape(fn, arg + "." + name, *t, "BnGRM", e, src);
-      }
-      if (!want) {
-        if (!c.kdd.empty())
-          detail::fail(fn, ": ", arg, ".kdd: given but key_wise is off: expected an empty view, got a tensor");
-        continue;
-      }
-      if (c.kdd.empty()) detail::fail(fn, ": ", arg, ".kdd: expected a tensor (B, n, G, M), got an empty view");
-      const index_t e[4] = {cfg_.B, n, cfg_.G, M};
-      const char* src[4] = {"config.B", "k_new.shape[2]", "config.G", "config.H / config.G"};
-      check_shape(fn, arg + ".kdd", c.kdd, "BnGM", e, src);
-    }
-
-    if (!counts.empty()) {
-      if (counts.shape[0] != cfg_.B)
-        detail::fail(fn, ": counts.shape[0] (B): expected ", cfg_.B, " (config.B), got ", counts.shape[0]);
-      for (index_t b = 0; b < cfg_.B; ++b)
-        if (counts(b) < 0 || counts(b) > n)
-          detail::fail(fn, ": counts[", b, "]: expected a count in [0, ", n, "] (k_new.shape[2]), got ", counts(b));
-    }
-    if (!local())
-      for (index_t b = 0; b < cfg_.B; ++b) {
-        const index_t nb = counts.empty() ? n : counts(b), len = length_[static_cast<std::size_t>(b)];
-        if (len + nb > lay_.cap)
-          detail::fail(fn, ": sequence ", b, ": expected at most ", lay_.cap, " tokens (config.capacity), got ",
-               len, " cached + ", nb, " appended = ", len + nb);
-      }
+    detail::check_shape(fn, "k_new", k_new,
+                        {{"B", cfg_.B, "config.B"}, {"Hk", cfg_.Hk, "config.Hk"}, {"n", n, "n"},
+                         {"D", cfg_.D, "config.D"}});
+    detail::check_strides(fn, "k_new", k_new);
+    detail::check_shape(fn, "v_new", v_new,
+                        {{"B", cfg_.B, "config.B"}, {"Hk", cfg_.Hk, "config.Hk"}, {"n", n, "k_new.shape[2]"},
+                         {"Dv", cfg_.Dv, "config.Dv"}});
+    detail::check_strides(fn, "v_new", v_new);
     return n;
+  }
+
+  // Static and query-wise terms belong to decode()'s query_side; the key-wise ones must match
+  // the config's switch of this side.
+  void check_key_side(const char* fn, const char* side, const ComposeTerms<T>& c, bool want,
+                      index_t n) const {
+    const std::string arg = std::string("key_side.") + side;
+    if (c.static_w || !c.w.empty())
+      detail::fail(fn, ": ", arg,
+                   ".static_w: expected off (the static W is passed to decode's query_side), got on");
+    if (c.query_wise || !c.qw1.empty() || !c.qw2.empty() || !c.qdd.empty())
+      detail::fail(fn, ": ", arg,
+                   ".query_wise: expected off (query-wise terms are passed to decode's query_side), got on");
+    const std::string sw = std::string("config.") + side + "_key_wise";
+    if (c.key_wise != want)
+      detail::fail(fn, ": ", arg, ".key_wise: expected ", want ? "on" : "off", " (", sw, "), got ",
+                   c.key_wise ? "on" : "off");
+    if (!want) {
+      const std::string why = "key_wise is off (" + sw + " == false)";
+      detail::require_absent(fn, arg + ".kw1", c.kw1, why);
+      detail::require_absent(fn, arg + ".kw2", c.kw2, why);
+      detail::require_absent(fn, arg + ".kdd", c.kdd, why);
+      return;
+    }
+    check_key_wise(fn, arg + ".kw1", c.kw1, sw + " is on", n);
+    check_key_wise(fn, arg + ".kw2", c.kw2, sw + " is on", n);
+    check_key_wise(fn, arg + ".kdd", c.kdd, sw + " is on", n);
+  }
+
+  // kw1, kw2 (B, n, G, Rk, M) or kdd (B, n, G, M) of the new tokens.
+  template <class V>
+  void check_key_wise(const char* fn, const std::string& name, const V& t, const std::string& why,
+                      index_t n) const {
+    const index_t M = cfg_.H / cfg_.G;
+    if constexpr (V::rank == 5) {
+      detail::require_given(fn, name, t, "(B, n, G, Rk, M)", why);
+      detail::check_shape(fn, name, t,
+                          {{"B", cfg_.B, "config.B"}, {"n", n, "k_new.shape[2]"}, {"G", cfg_.G, "config.G"},
+                           {"R", cfg_.Rk, "config.Rk"}, {"M", M, "config.H / config.G"}});
+    } else {
+      detail::require_given(fn, name, t, "(B, n, G, M)", why);
+      detail::check_shape(fn, name, t,
+                          {{"B", cfg_.B, "config.B"}, {"n", n, "k_new.shape[2]"}, {"G", cfg_.G, "config.G"},
+                           {"M", M, "config.H / config.G"}});
+    }
+    detail::check_strides(fn, name, t);
+  }
+
+  void check_counts(const char* fn, const TensorView<const index_t, 1>& counts, index_t n) const {
+    if (counts.empty()) return;
+    detail::check_dim(fn, "counts", counts, 0, "B", cfg_.B, "config.B");
+    for (index_t b = 0; b < cfg_.B; ++b)
+      if (counts(b) < 0 || counts(b) > n)
+        detail::fail(fn, ": counts[", b, "]: expected a count in [0, ", n, "] (k_new.shape[2]), got ",
+                     counts(b));
+  }
+
+  // A global layer keeps every token: appending past config.capacity would drop some.
+  void check_capacity(const char* fn, const TensorView<const index_t, 1>& counts, index_t n) const {
+    if (local()) return;
+    for (index_t b = 0; b < cfg_.B; ++b) {
+      const index_t nb = counts.empty() ? n : counts(b), len = length_[static_cast<std::size_t>(b)];
+      if (len + nb > lay_.cap)
+        detail::fail(fn, ": sequence ", b, ": expected at most ", lay_.cap, " tokens (config.capacity), got ",
+                     len, " cached + ", nb, " appended = ", len + nb);
+    }
   }
 
   DecodeCacheConfig cfg_;

@@ -15,9 +15,9 @@
 #include "../config.hpp"
 #include "../error.hpp"
 #include "../tensor.hpp"
+#include "checks.hpp"
 #include "dims.hpp"
 #include "validate_compose.hpp"
-#include "validate_tensor.hpp"
 
 namespace dcmha::detail {
 
@@ -37,7 +37,7 @@ inline void validate_lengths(const char* fn, const AttentionConfig& cfg, const A
     if (lv->empty()) continue;
     const index_t limit = lv == &cfg.query_lengths ? d.T : d.S;
     const char* what = lv == &cfg.query_lengths ? "T" : "S";
-    if (lv->shape[0] != d.B) fail(fn, ": ", name, ".shape[0] (B): expected ", d.B, ", got ", lv->shape[0]);
+    check_dim(fn, name, *lv, 0, "B", d.B, "q.shape[0]");
     for (index_t b = 0; b < d.B; ++b)
       if ((*lv)(b) < 0 || (*lv)(b) > limit)
         fail(fn, ": ", name, "[", b, "]: expected a length in [0, ", limit, "] (", what, "), got ", (*lv)(b));
@@ -66,14 +66,13 @@ AttentionDims validate_qkv(const char* fn, TensorView<const T, 4> q, TensorView<
   d.Hk = k.shape[1];
   d.S = k.shape[2];
   d.Dv = v.shape[3];
-  check_dim(fn, "k", k, 0, d.B, "B", "q.shape[0]");
-  check_dim(fn, "k", k, 3, d.D, "D", "q.shape[3]");
-  check_dim(fn, "v", v, 0, d.B, "B", "q.shape[0]");
-  check_dim(fn, "v", v, 1, d.Hk, "Hk", "k.shape[1]");
-  check_dim(fn, "v", v, 2, d.S, "S", "k.shape[2]");
+  check_dim(fn, "k", k, 0, "B", d.B, "q.shape[0]");
+  check_dim(fn, "k", k, 3, "D", d.D, "q.shape[3]");
+  check_dim(fn, "v", v, 0, "B", d.B, "q.shape[0]");
+  check_dim(fn, "v", v, 1, "Hk", d.Hk, "k.shape[1]");
+  check_dim(fn, "v", v, 2, "S", d.S, "k.shape[2]");
   // GQA: head h reads kv head h / (H / Hk), which needs whole groups of query heads.
-  if (d.H % d.Hk != 0)
-    fail(fn, ": k.shape[1] (Hk): expected a divisor of H = ", d.H, " (q.shape[1]), got ", d.Hk);
+  check_divisor(fn, "k", k, 1, "Hk", "H", d.H, "q.shape[1]");
   return d;
 }
 
@@ -81,26 +80,15 @@ AttentionDims validate_qkv(const char* fn, TensorView<const T, 4> q, TensorView<
 template <class V>
 void check_bhtdv(const char* fn, const char* name, const V& t, const AttentionDims& d) {
   require_given(fn, name, t, "(B, H, T, Dv)");
-  check_dim(fn, name, t, 0, d.B, "B", "q.shape[0]");
-  check_dim(fn, name, t, 1, d.H, "H", "q.shape[1]");
-  check_dim(fn, name, t, 2, d.T, "T", "q.shape[2]");
-  check_dim(fn, name, t, 3, d.Dv, "Dv", "v.shape[3]");
+  check_shape(fn, name, t,
+              {{"B", d.B, "q.shape[0]"}, {"H", d.H, "q.shape[1]"}, {"T", d.T, "q.shape[2]"},
+               {"Dv", d.Dv, "v.shape[3]"}});
 }
 
 template <class V>
 void check_lse_shape(const char* fn, const V& lse, const AttentionDims& d) {
-  check_dim(fn, "lse", lse, 0, d.B, "B", "q.shape[0]");
-  check_dim(fn, "lse", lse, 1, d.H, "H", "q.shape[1]");
-  check_dim(fn, "lse", lse, 2, d.T, "T", "q.shape[2]");
-}
-
-/// A gradient has exactly the logical shape of the tensor it differentiates.
-template <class V, class W>
-void check_same_shape(const char* fn, const char* name, const V& t, const char* src, const W& ref,
-                      const char* const* what) {
-  for (int i = 0; i < V::rank; ++i)
-    check_dim(fn, name, t, i, ref.shape[i], what[i],
-              std::string(src) + ".shape[" + std::to_string(i) + "]");
+  check_shape(fn, "lse", lse,
+              {{"B", d.B, "q.shape[0]"}, {"H", d.H, "q.shape[1]"}, {"T", d.T, "q.shape[2]"}});
 }
 
 /// Strides of an attention activation: non-negative and a contiguous head dim.
@@ -131,14 +119,14 @@ AttentionDims validate_forward(const char* fn, const AttentionConfig& cfg, Tenso
     check_no_self_overlap(fn, "lse", lse);
   }
 
-  std::vector<ByteRange> inputs{byte_range("q", q), byte_range("k", k), byte_range("v", v)};
+  std::vector<Footprint> inputs{footprint("q", q), footprint("k", k), footprint("v", v)};
   const ComposeRefs refs{{d.B, "q.shape[0]"}, {d.T, "q.shape[2]"}, {d.S, "k.shape[2]"}, {}, {}};
   d.G = validate_compose(fn, compose, d.H, refs, inputs);
   d.M = d.H / d.G;
 
-  std::vector<ByteRange> outputs{byte_range("out", out)};
-  if (!lse.empty()) outputs.push_back(byte_range("lse", lse));
-  check_disjoint(fn, outputs, inputs);
+  std::vector<Footprint> outputs{footprint("out", out)};
+  if (!lse.empty()) outputs.push_back(footprint("lse", lse));
+  check_no_alias(fn, outputs, inputs);
   return d;
 }
 
@@ -149,10 +137,6 @@ AttentionDims validate_backward(const char* fn, const AttentionConfig& cfg,
                                 TensorView<const T, 4> dout, TensorView<T, 4> dq,
                                 TensorView<T, 4> dk, TensorView<T, 4> dv,
                                 const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose) {
-  static const char* const bhtd[] = {"B", "H", "T", "D"};
-  static const char* const bhsd[] = {"B", "Hk", "S", "D"};
-  static const char* const bhsdv[] = {"B", "Hk", "S", "Dv"};
-
   validate_config(fn, cfg);
   AttentionDims d = validate_qkv(fn, q, k, v);
   validate_lengths(fn, cfg, d);
@@ -163,9 +147,9 @@ AttentionDims validate_backward(const char* fn, const AttentionConfig& cfg,
   require_given(fn, "dq", dq, "(B, H, T, D)");
   require_given(fn, "dk", dk, "(B, Hk, S, D)");
   require_given(fn, "dv", dv, "(B, Hk, S, Dv)");
-  check_same_shape(fn, "dq", dq, "q", q, bhtd);
-  check_same_shape(fn, "dk", dk, "k", k, bhsd);
-  check_same_shape(fn, "dv", dv, "v", v, bhsdv);
+  check_same_shape(fn, "dq", dq, {"B", "H", "T", "D"}, "q", q);
+  check_same_shape(fn, "dk", dk, {"B", "Hk", "S", "D"}, "k", k);
+  check_same_shape(fn, "dv", dv, {"B", "Hk", "S", "Dv"}, "v", v);
 
   check_activation_strides(fn, "q", q);
   check_activation_strides(fn, "k", k);
@@ -179,15 +163,15 @@ AttentionDims validate_backward(const char* fn, const AttentionConfig& cfg,
   check_no_self_overlap(fn, "dk", dk);
   check_no_self_overlap(fn, "dv", dv);
 
-  std::vector<ByteRange> inputs{byte_range("q", q), byte_range("k", k), byte_range("v", v),
-                                byte_range("lse", lse), byte_range("dout", dout)};
+  std::vector<Footprint> inputs{footprint("q", q), footprint("k", k), footprint("v", v),
+                                footprint("lse", lse), footprint("dout", dout)};
   const ComposeRefs refs{{d.B, "q.shape[0]"}, {d.T, "q.shape[2]"}, {d.S, "k.shape[2]"}, {}, {}};
   d.G = validate_compose(fn, compose, d.H, refs, inputs);
   d.M = d.H / d.G;
 
-  std::vector<ByteRange> outputs{byte_range("dq", dq), byte_range("dk", dk), byte_range("dv", dv)};
+  std::vector<Footprint> outputs{footprint("dq", dq), footprint("dk", dk), footprint("dv", dv)};
   validate_compose_grads(fn, compose, dcompose, outputs);
-  check_disjoint(fn, outputs, inputs);
+  check_no_alias(fn, outputs, inputs);
   return d;
 }
 

@@ -6,7 +6,7 @@
 #include "../compose_weights.hpp"
 #include "../error.hpp"
 #include "../tensor.hpp"
-#include "validate_tensor.hpp"
+#include "checks.hpp"
 
 namespace dcmha::detail {
 
@@ -99,20 +99,18 @@ void check_compose_presence(const char* fn, const char* prefix, const char* side
       [&](const char* name, const char* dims, ComposeTerm term, const auto&, const auto& t) {
         const std::string arg = std::string(prefix) + "." + side_name + "." + name;
         const std::string swname = std::string("compose.") + side_name + "." + term_name(term);
-        if (term_on(sw, term) && t.empty())
-          fail(fn, ": ", arg, ": expected a tensor ", shape_text(dims), " because ", swname,
-               " is on, got an empty view");
-        if (!term_on(sw, term) && !t.empty())
-          fail(fn, ": ", arg, ": given but ", term_name(term), " is off (", swname,
-               " == false): expected an empty view, got a tensor");
+        if (term_on(sw, term))
+          require_given(fn, arg, t, shape_text(dims), swname + " is on");
+        else
+          require_absent(fn, arg, t, std::string(term_name(term)) + " is off (" + swname + " == false)");
       });
 }
 
 /// Validates the compose inputs after the attention tensors; returns G (H when compose is off)
-/// and appends the byte ranges of the given tensors to `inputs`.
+/// and appends the footprints of the given tensors to `inputs`.
 template <class T>
 index_t validate_compose(const char* fn, const ComposeWeights<T>& c, index_t H, ComposeRefs refs,
-                         std::vector<ByteRange>& inputs) {
+                         std::vector<Footprint>& inputs) {
   check_compose_presence(fn, "compose", "pre", c.pre, c.pre);
   check_compose_presence(fn, "compose", "post", c.post, c.post);
 
@@ -128,9 +126,7 @@ index_t validate_compose(const char* fn, const ComposeWeights<T>& c, index_t H, 
           while (dims[gd] != 'G') ++gd;
           const std::string arg = std::string("compose.") + side_name + "." + name;
           check_positive(fn, arg, t, gd, "G");
-          if (H % t.shape[gd] != 0)
-            fail(fn, ": ", arg, ".shape[", gd, "] (G): expected a divisor of H = ", H,
-                 " (q.shape[1]), got ", t.shape[gd]);
+          check_divisor(fn, arg, t, gd, "G", "H", H, "q.shape[1]");
           refs.G = {t.shape[gd], arg + ".shape[" + std::to_string(gd) + "]"};
         });
   }
@@ -148,7 +144,7 @@ index_t validate_compose(const char* fn, const ComposeWeights<T>& c, index_t H, 
           for (int d = 0; dims[d]; ++d) {
             const char what[2] = {dims[d], '\0'};
             if (dims[d] != 'R') {
-              check_dim(fn, arg, t, d, refs[dims[d]].value, what, refs[dims[d]].source);
+              check_dim(fn, arg, t, d, what, refs[dims[d]].value, refs[dims[d]].source);
               continue;
             }
             DimRef& r = term == ComposeTerm::query_wise ? rq : rk;
@@ -156,21 +152,21 @@ index_t validate_compose(const char* fn, const ComposeWeights<T>& c, index_t H, 
               check_positive(fn, arg, t, d, what);
               r = {t.shape[d], arg + ".shape[" + std::to_string(d) + "]"};
             } else {
-              check_dim(fn, arg, t, d, r.value, what, r.source);
+              check_dim(fn, arg, t, d, what, r.value, r.source);
             }
           }
           check_strides(fn, arg, t);
-          inputs.push_back(byte_range(arg, t));
+          inputs.push_back(footprint(arg, t));
         });
   }
   return refs.G.value;
 }
 
 /// Validates the compose gradients against the already validated inputs and appends their
-/// byte ranges to `outputs`.
+/// footprints to `outputs`.
 template <class T>
 void validate_compose_grads(const char* fn, const ComposeWeights<T>& c, const ComposeGrads<T>& g,
-                            std::vector<ByteRange>& outputs) {
+                            std::vector<Footprint>& outputs) {
   check_compose_presence(fn, "dcompose", "pre", c.pre, g.pre);
   check_compose_presence(fn, "dcompose", "post", c.post, g.post);
   const ComposeSide<T> sides[2] = {{"pre", c.pre}, {"post", c.post}};
@@ -185,11 +181,11 @@ void validate_compose_grads(const char* fn, const ComposeWeights<T>& c, const Co
           const std::string arg = "d" + src;
           for (int d = 0; dims[d]; ++d) {
             const char what[2] = {dims[d], '\0'};
-            check_dim(fn, arg, t, d, in.shape[d], what, src + ".shape[" + std::to_string(d) + "]");
+            check_dim(fn, arg, t, d, what, in.shape[d], src + ".shape[" + std::to_string(d) + "]");
           }
           check_strides(fn, arg, t);
           check_no_self_overlap(fn, arg, t);
-          outputs.push_back(byte_range(arg, t));
+          outputs.push_back(footprint(arg, t));
         });
   }
 }

@@ -3,12 +3,13 @@
 // dcmha::Error naming the function, the argument, the expected value and the actual one.
 #include <array>
 #include <cmath>
-#include <cstdint>
+#include <cstddef>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "../config.hpp"
+#include "../detail/checks.hpp"
 #include "../error.hpp"
 #include "../tensor.hpp"
 
@@ -50,26 +51,6 @@ inline std::string split_name(const char* prefix, int c, const char* kind) {
   return std::string(prefix) + "." + side[c] + "." + role[c] + kind;
 }
 
-template <class V>
-void check_given(const char* fn, const std::string& name, const V& v) {
-  if (v.empty()) fail(fn, ": ", name, ": expected a tensor, got an empty view");
-  for (int d = 0; d < V::rank; ++d)
-    if (v.shape[d] <= 0)
-      fail(fn, ": ", name, ".shape[", d, "]: expected a positive size, got ", v.shape[d]);
-}
-
-/// A dimension must equal one fixed by another argument (`source`) or by the format.
-template <class V>
-void check_dim(const char* fn, const std::string& name, const V& v, int d, const char* what,
-               index_t expected, const char* source = nullptr) {
-  if (v.shape[d] == expected) return;
-  if (source)
-    fail(fn, ": ", name, ".shape[", d, "] (", what, "): expected ", expected, " (", source,
-         "), got ", v.shape[d]);
-  fail(fn, ": ", name, ".shape[", d, "] (", what, "): expected ", expected, ", got ",
-       v.shape[d]);
-}
-
 /// Outputs of shape (B, L, G, R, M) / (B, L, G, M), whether the forward's results or the
 /// backward's upstream gradients.
 template <class U>
@@ -79,19 +60,16 @@ void check_dynamic_weights(const char* fn, const char* prefix, const SplitViews<
     for (int k = 0; k < 2; ++k) {
       const std::string name = split_name(prefix, c, k == 0 ? "w1" : "w2");
       const TensorView<U, 5>& v = k == 0 ? s.w1[c] : s.w2[c];
-      check_given(fn, name, v);
-      check_dim(fn, name, v, 0, "B", d.B, "x.shape[0]");
-      check_dim(fn, name, v, 1, "L", d.L, "x.shape[1]");
-      check_dim(fn, name, v, 2, "G", d.G, "dw1.shape[1]");
-      check_dim(fn, name, v, 3, "R", d.R, "qkw.shape[3] / 2");
-      check_dim(fn, name, v, 4, "M", d.M, "qkw.shape[4]");
+      require_given(fn, name, v, "(B, L, G, R, M)");
+      check_shape(fn, name, v,
+                  {{"B", d.B, "x.shape[0]"}, {"L", d.L, "x.shape[1]"}, {"G", d.G, "dw1.shape[1]"},
+                   {"R", d.R, "qkw.shape[3] / 2"}, {"M", d.M, "qkw.shape[4]"}});
     }
     const std::string name = split_name(prefix, c, "dd");
-    check_given(fn, name, s.dd[c]);
-    check_dim(fn, name, s.dd[c], 0, "B", d.B, "x.shape[0]");
-    check_dim(fn, name, s.dd[c], 1, "L", d.L, "x.shape[1]");
-    check_dim(fn, name, s.dd[c], 2, "G", d.G, "dw1.shape[1]");
-    check_dim(fn, name, s.dd[c], 3, "M", d.M, "qkw.shape[4]");
+    require_given(fn, name, s.dd[c], "(B, L, G, M)");
+    check_shape(fn, name, s.dd[c],
+                {{"B", d.B, "x.shape[0]"}, {"L", d.L, "x.shape[1]"}, {"G", d.G, "dw1.shape[1]"},
+                 {"M", d.M, "qkw.shape[4]"}});
   }
 }
 
@@ -104,14 +82,28 @@ inline void check_config(const char* fn, const ProjectionConfig& cfg) {
     fail(fn, ": cfg.num_threads: expected >= 0 (0 = OpenMP default), got ", cfg.num_threads);
 }
 
+/// Every dim of x and the parameters must be >= 1: they fix every other size.
+template <class V, std::size_t N>
+void check_source(const char* fn, const char* name, const V& v, const char* shape,
+                  const char* const (&what)[N]) {
+  static_assert(N == V::rank, "one name per dim");
+  require_given(fn, name, v, shape);
+  for (int d = 0; d < V::rank; ++d) check_positive(fn, name, v, d, what[d]);
+}
+
+inline const char* const kXDims[] = {"B", "L", "E"};
+inline const char* const kDw1Dims[] = {"E", "G", "splits", "K"};
+inline const char* const kQkwDims[] = {"G", "splits", "K", "2R", "M"};
+inline const char* const kDdDims[] = {"E", "G", "4M"};
+
 /// x and the parameters fix every dimension; everything else is checked against them.
 template <class T>
 ProjectionDims check_inputs(const char* fn, TensorView<const T, 3> x,
                             const DynamicWeightProjection<T>& p) {
-  check_given(fn, "x", x);
-  check_given(fn, "dw1", p.dw1);
-  check_given(fn, "qkw", p.qkw);
-  check_given(fn, "dd", p.dd);
+  check_source(fn, "x", x, "(B, L, E)", kXDims);
+  check_source(fn, "dw1", p.dw1, "(E, G, 4, K)", kDw1Dims);
+  check_source(fn, "qkw", p.qkw, "(G, 4, K, 2R, M)", kQkwDims);
+  check_source(fn, "dd", p.dd, "(E, G, 4M)", kDdDims);
   ProjectionDims d;
   d.B = x.shape[0];
   d.L = x.shape[1];
@@ -133,63 +125,41 @@ ProjectionDims check_inputs(const char* fn, TensorView<const T, 3> x,
   return d;
 }
 
-/// Half-open address range [lo, hi) a view can touch, whatever the signs of its strides.
-struct AddressRange {
-  std::uintptr_t lo = 0, hi = 0;
-  bool overlaps(const AddressRange& o) const { return lo < o.hi && o.lo < hi; }
-};
-
+/// Checks the extent of a view (any strides) and records its footprint.
 template <class V>
-AddressRange address_range(const V& v) {
-  index_t lo = 0, hi = 0;
-  for (int d = 0; d < V::rank; ++d) {
-    const index_t extent = (v.shape[d] - 1) * v.stride[d];
-    (extent < 0 ? lo : hi) += extent;
-  }
-  using E = typename V::value_type;
-  const auto base = reinterpret_cast<std::uintptr_t>(v.data);
-  const auto size = static_cast<std::intptr_t>(sizeof(E));
-  return {static_cast<std::uintptr_t>(static_cast<std::intptr_t>(base) + lo * size),
-          static_cast<std::uintptr_t>(static_cast<std::intptr_t>(base) + (hi + 1) * size)};
-}
-
-struct NamedRange {
-  std::string name;
-  AddressRange range;
-  const void* data;
-};
-
-/// Outputs are written while inputs are still being read (and the backward reads its
-/// upstream gradients after writing some results), so any overlap of an output's address
-/// range with an input's is rejected. Two outputs may share a buffer when they interleave
-/// (e.g. qw1 and qw2 as halves of one (B, L, G, 2R, M) allocation), which address ranges
-/// cannot tell from real aliasing; only the unambiguous case, the same start address, is
-/// rejected there.
-inline void check_no_alias(const char* fn, const std::vector<NamedRange>& inputs,
-                           const std::vector<NamedRange>& outputs) {
-  for (std::size_t i = 0; i < outputs.size(); ++i) {
-    for (const NamedRange& in : inputs)
-      if (outputs[i].range.overlaps(in.range))
-        fail(fn, ": ", outputs[i].name, ": expected memory disjoint from input ", in.name,
-             ", got overlapping address ranges");
-    for (std::size_t j = 0; j < i; ++j)
-      if (outputs[i].data == outputs[j].data)
-        fail(fn, ": ", outputs[i].name, ": expected memory distinct from output ",
-             outputs[j].name, ", got the same address");
-  }
-}
-
-template <class V>
-NamedRange named_range(std::string name, const V& v) {
-  return {std::move(name), address_range(v), static_cast<const void*>(v.data)};
+void add_view(const char* fn, std::vector<Footprint>& to, std::string name, const V& v) {
+  check_extent(fn, name, v);
+  to.push_back(footprint(std::move(name), v));
 }
 
 template <class U>
-void add_ranges(std::vector<NamedRange>& out, const char* prefix, const SplitViews<U>& s) {
+void add_split_views(const char* fn, std::vector<Footprint>& to, const char* prefix,
+                     const SplitViews<U>& s) {
   for (int c = 0; c < 4; ++c) {
-    out.push_back(named_range(split_name(prefix, c, "w1"), s.w1[c]));
-    out.push_back(named_range(split_name(prefix, c, "w2"), s.w2[c]));
-    out.push_back(named_range(split_name(prefix, c, "dd"), s.dd[c]));
+    add_view(fn, to, split_name(prefix, c, "w1"), s.w1[c]);
+    add_view(fn, to, split_name(prefix, c, "w2"), s.w2[c]);
+    add_view(fn, to, split_name(prefix, c, "dd"), s.dd[c]);
+  }
+}
+
+template <class T>
+std::vector<Footprint> input_views(const char* fn, TensorView<const T, 3> x,
+                                   const DynamicWeightProjection<T>& p) {
+  std::vector<Footprint> in;
+  add_view(fn, in, "x", x);
+  add_view(fn, in, "dw1", p.dw1);
+  add_view(fn, in, "qkw", p.qkw);
+  add_view(fn, in, "dd", p.dd);
+  return in;
+}
+
+/// An output element reached by two indices would be written twice with different values.
+template <class U>
+void check_split_self_overlap(const char* fn, const char* prefix, const SplitViews<U>& s) {
+  for (int c = 0; c < 4; ++c) {
+    check_no_self_overlap(fn, split_name(prefix, c, "w1"), s.w1[c]);
+    check_no_self_overlap(fn, split_name(prefix, c, "w2"), s.w2[c]);
+    check_no_self_overlap(fn, split_name(prefix, c, "dd"), s.dd[c]);
   }
 }
 
@@ -201,11 +171,11 @@ ProjectionDims validate_forward(const char* fn, const ProjectionConfig& cfg,
   const ProjectionDims d = check_inputs<T>(fn, x, p);
   const SplitViews<T> o = by_split(out);
   check_dynamic_weights(fn, "out", o, d);
-  std::vector<NamedRange> in{named_range("x", x), named_range("dw1", p.dw1),
-                             named_range("qkw", p.qkw), named_range("dd", p.dd)};
-  std::vector<NamedRange> outs;
-  add_ranges(outs, "out", o);
-  check_no_alias(fn, in, outs);
+  const std::vector<Footprint> in = input_views(fn, x, p);
+  std::vector<Footprint> outs;
+  add_split_views(fn, outs, "out", o);
+  check_no_alias(fn, outs, in);
+  check_split_self_overlap(fn, "out", o);
   return d;
 }
 
@@ -218,35 +188,27 @@ ProjectionDims validate_backward(const char* fn, const ProjectionConfig& cfg,
   const ProjectionDims d = check_inputs<T>(fn, x, p);
   const SplitViews<const T> g = by_split(dout);
   check_dynamic_weights(fn, "dout", g, d);
-  check_given(fn, "dx", dx);
-  for (int k = 0; k < 3; ++k)
-    check_dim(fn, "dx", dx, k, k == 0 ? "B" : k == 1 ? "L" : "E", x.shape[k],
-              k == 0 ? "x.shape[0]" : k == 1 ? "x.shape[1]" : "x.shape[2]");
-  check_given(fn, "grads.dw1", grads.dw1);
-  check_given(fn, "grads.qkw", grads.qkw);
-  check_given(fn, "grads.dd", grads.dd);
-  static const char* const dw1_what[4] = {"E", "G", "splits", "K"};
-  static const char* const dw1_src[4] = {"dw1.shape[0]", "dw1.shape[1]", "dw1.shape[2]",
-                                         "dw1.shape[3]"};
-  for (int k = 0; k < 4; ++k)
-    check_dim(fn, "grads.dw1", grads.dw1, k, dw1_what[k], p.dw1.shape[k], dw1_src[k]);
-  static const char* const qkw_what[5] = {"G", "splits", "K", "2R", "M"};
-  static const char* const qkw_src[5] = {"qkw.shape[0]", "qkw.shape[1]", "qkw.shape[2]",
-                                         "qkw.shape[3]", "qkw.shape[4]"};
-  for (int k = 0; k < 5; ++k)
-    check_dim(fn, "grads.qkw", grads.qkw, k, qkw_what[k], p.qkw.shape[k], qkw_src[k]);
-  static const char* const dd_what[3] = {"E", "G", "4M"};
-  static const char* const dd_src[3] = {"dd.shape[0]", "dd.shape[1]", "dd.shape[2]"};
-  for (int k = 0; k < 3; ++k)
-    check_dim(fn, "grads.dd", grads.dd, k, dd_what[k], p.dd.shape[k], dd_src[k]);
+  require_given(fn, "dx", dx, "(B, L, E)");
+  check_same_shape(fn, "dx", dx, kXDims, "x", x);
+  require_given(fn, "grads.dw1", grads.dw1, "(E, G, 4, K)");
+  require_given(fn, "grads.qkw", grads.qkw, "(G, 4, K, 2R, M)");
+  require_given(fn, "grads.dd", grads.dd, "(E, G, 4M)");
+  check_same_shape(fn, "grads.dw1", grads.dw1, kDw1Dims, "dw1", p.dw1);
+  check_same_shape(fn, "grads.qkw", grads.qkw, kQkwDims, "qkw", p.qkw);
+  check_same_shape(fn, "grads.dd", grads.dd, kDdDims, "dd", p.dd);
 
-  std::vector<NamedRange> in{named_range("x", x), named_range("dw1", p.dw1),
-                             named_range("qkw", p.qkw), named_range("dd", p.dd)};
-  add_ranges(in, "dout", g);
-  std::vector<NamedRange> outs{named_range("dx", dx), named_range("grads.dw1", grads.dw1),
-                               named_range("grads.qkw", grads.qkw),
-                               named_range("grads.dd", grads.dd)};
-  check_no_alias(fn, in, outs);
+  std::vector<Footprint> in = input_views(fn, x, p);
+  add_split_views(fn, in, "dout", g);
+  std::vector<Footprint> outs;
+  add_view(fn, outs, "dx", dx);
+  add_view(fn, outs, "grads.dw1", grads.dw1);
+  add_view(fn, outs, "grads.qkw", grads.qkw);
+  add_view(fn, outs, "grads.dd", grads.dd);
+  check_no_alias(fn, outs, in);
+  check_no_self_overlap(fn, "dx", dx);
+  check_no_self_overlap(fn, "grads.dw1", grads.dw1);
+  check_no_self_overlap(fn, "grads.qkw", grads.qkw);
+  check_no_self_overlap(fn, "grads.dd", grads.dd);
   return d;
 }
 
