@@ -4,8 +4,9 @@
 // mask in {causal, full, window<w>} (window<w>: causal with a sliding window of w keys, the local
 // layers of DCFormer). Storage is float; <dir>/<op>/bf16/B<b>/... are the same cases with bf16
 // tensors (float arithmetic), for a few shapes; <dir>/<op>/nested/B<b>/... make one call per
-// sequence from each thread of an enclosing OpenMP team of b threads. Decoding: decode/<op>/B<b>/H<h>/S<s>/D<d>, one new token per sequence
-// against a DecodeCache holding s tokens (the new one included). Google Benchmark appends
+// sequence from each thread of an enclosing OpenMP team of b threads. Decoding:
+// decode/<op>/B<b>/H<h>/S<s>/D<d>, one new token per sequence against a DecodeCache holding s
+// tokens (the new one included). Google Benchmark appends
 // "/real_time" (and "_median" etc. for aggregates) in its reports, so a --benchmark_filter should
 // not anchor the mask with '$'.
 //
@@ -73,8 +74,9 @@ const char* name_of(Op o) { return o == Op::mha ? "mha" : "dcmha"; }
 const char* name_of(dcmha::Mask m) { return m == dcmha::Mask::causal ? "causal" : "full"; }
 
 std::string name_of(const Case& c) {
-  return std::string(name_of(c.dir)) + "/" + name_of(c.op) + (c.bf16 ? "/bf16" : "") + (c.nested ? "/nested" : "") + "/B" + std::to_string(c.B) + "/H" +
-         std::to_string(c.H) + "/T" + std::to_string(c.T) + "/D" + std::to_string(c.D) + "/" +
+  return std::string(name_of(c.dir)) + "/" + name_of(c.op) + (c.bf16 ? "/bf16" : "") +
+         (c.nested ? "/nested" : "") + "/B" + std::to_string(c.B) + "/H" + std::to_string(c.H) +
+         "/T" + std::to_string(c.T) + "/D" + std::to_string(c.D) + "/" +
          (c.window > 0 ? "window" + std::to_string(c.window) : std::string(name_of(c.mask)));
 }
 
@@ -123,8 +125,12 @@ dcmha::TensorView<S, N> batch_item(dcmha::TensorView<S, N> x, index_t b) {
 }
 template <class Terms>
 Terms batch_item_terms(Terms t, index_t b) {  // static W has no batch dim
-  t.qw1 = batch_item(t.qw1, b); t.qw2 = batch_item(t.qw2, b); t.qdd = batch_item(t.qdd, b);
-  t.kw1 = batch_item(t.kw1, b); t.kw2 = batch_item(t.kw2, b); t.kdd = batch_item(t.kdd, b);
+  t.qw1 = batch_item(t.qw1, b);
+  t.qw2 = batch_item(t.qw2, b);
+  t.qdd = batch_item(t.qdd, b);
+  t.kw1 = batch_item(t.kw1, b);
+  t.kw2 = batch_item(t.kw2, b);
+  t.kdd = batch_item(t.kdd, b);
   return t;
 }
 template <class S>
@@ -155,7 +161,10 @@ struct Problem {
   Problem(index_t B_, index_t H_, index_t T_, index_t D_, bool dc)
       : B(B_), H(H_), T(T_), D(D_), dcmha(dc) {
     const auto n = static_cast<std::size_t>(B * T * H * D);
-    q.resize(n); k.resize(n); v.resize(n); o.resize(n);
+    q.resize(n);
+    k.resize(n);
+    v.resize(n);
+    o.resize(n);
     fill_normal(q, 1.0f, 1);
     fill_normal(k, 1.0f, 2);
     fill_normal(v, 1.0f, 3);
@@ -170,7 +179,10 @@ struct Problem {
   void ensure_grads() {
     if (!dout.empty()) return;
     const auto n = q.size();
-    dout.resize(n); dq.resize(n); dk.resize(n); dv.resize(n);
+    dout.resize(n);
+    dq.resize(n);
+    dk.resize(n);
+    dv.resize(n);
     fill_normal(dout, 1.0f, 5);
     if (dcmha) {
       dynw_grad = dcmha::DynamicWeightsStorage<Scalar>(B, T, kGroups, kRank, H / kGroups);
@@ -199,14 +211,16 @@ struct Problem {
   /// forward, or backward, of each sequence on its own, from the threads of an OpenMP team of B
   /// threads, each with a Workspace of its own.
   void per_sequence(const dcmha::AttentionConfig& cfg, bool backward) {
-    if (nested_workspaces.size() != std::size_t(B)) nested_workspaces = std::vector<dcmha::Workspace>(std::size_t(B));
+    if (nested_workspaces.size() != std::size_t(B))
+      nested_workspaces = std::vector<dcmha::Workspace>(std::size_t(B));
 #pragma omp parallel for num_threads(int(B)) schedule(static, 1)
     for (index_t b = 0; b < B; ++b) {
       auto seq = [b](auto x) { return batch_item(x, b); };
       dcmha::Workspace& ws = nested_workspaces[std::size_t(b)];
       if (backward)
-        dcmha::backward(cfg, seq(act(q)), seq(act(k)), seq(act(v)), seq(lse_view()), seq(act(dout)), seq(act(dq)),
-                        seq(act(dk)), seq(act(dv)), batch_item(compose, b), batch_item(dcompose, b), ws);
+        dcmha::backward(cfg, seq(act(q)), seq(act(k)), seq(act(v)), seq(lse_view()), seq(act(dout)),
+                        seq(act(dq)), seq(act(dk)), seq(act(dv)), batch_item(compose, b),
+                        batch_item(dcompose, b), ws);
       else
         dcmha::forward(cfg, seq(act(q)), seq(act(k)), seq(act(v)), seq(act(o)), seq(lse_view()),
                        batch_item(compose, b), ws);
@@ -231,15 +245,19 @@ void release_decode_problem();
 
 template <class T>
 std::unique_ptr<Problem<T>>& cache_of() {
-  if constexpr (std::is_same_v<T, float>) return cached;
-  else return cached_bf16;
+  if constexpr (std::is_same_v<T, float>)
+    return cached;
+  else
+    return cached_bf16;
 }
 
 template <class T>
 Problem<T>& problem_for(const Case& c) {
   release_decode_problem();
-  if constexpr (std::is_same_v<T, float>) cached_bf16.reset();
-  else cached.reset();
+  if constexpr (std::is_same_v<T, float>)
+    cached_bf16.reset();
+  else
+    cached.reset();
   std::unique_ptr<Problem<T>>& p = cache_of<T>();
   const bool dc = c.op == Op::dcmha;
   if (!p || p->B != c.B || p->H != c.H || p->T != c.T || p->D != c.D || p->dcmha != dc) {
@@ -337,8 +355,10 @@ void run_case_as(benchmark::State& state, const Case& c) {
 }
 
 void run_case(benchmark::State& state, const Case& c) {
-  if (c.bf16) run_case_as<dcmha::bf16>(state, c);
-  else run_case_as<float>(state, c);
+  if (c.bf16)
+    run_case_as<dcmha::bf16>(state, c);
+  else
+    run_case_as<float>(state, c);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -368,7 +388,12 @@ struct DecodeProblem {
 
   static dcmha::DecodeCacheConfig config(const DecodeCase& c) {
     dcmha::DecodeCacheConfig cc;
-    cc.B = c.B; cc.H = c.H; cc.Hk = c.H; cc.D = c.D; cc.Dv = c.D; cc.G = kGroups;
+    cc.B = c.B;
+    cc.H = c.H;
+    cc.Hk = c.H;
+    cc.D = c.D;
+    cc.Dv = c.D;
+    cc.G = kGroups;
     const bool dc = c.op == Op::dcmha;
     cc.pre_key_wise = cc.post_key_wise = dc;
     cc.Rk = dc ? kRank : 0;
@@ -449,8 +474,9 @@ void run_decode_case(benchmark::State& state, const DecodeCase& c) {
       benchmark::ClobberMemory();
     }
     // QK^T and PV of one query row per head against S keys; compose work is not counted.
-    state.counters["FLOPS"] = benchmark::Counter(4.0 * double(c.B) * double(c.H) * double(c.S) * double(c.D),
-                                                 benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["FLOPS"] =
+        benchmark::Counter(4.0 * double(c.B) * double(c.H) * double(c.S) * double(c.D),
+                           benchmark::Counter::kIsIterationInvariantRate);
     state.counters["threads"] = max_threads();
     state.counters["cache_bytes_per_token"] = p.cache_bytes_per_token();
   } catch (const std::exception& e) {
@@ -479,8 +505,8 @@ struct ProjectionCase {
 };
 
 std::string name_of(const ProjectionCase& c) {
-  return std::string(name_of(c.dir)) + "/dynw/B" + std::to_string(c.B) + "/H" + std::to_string(c.H) +
-         "/T" + std::to_string(c.T) + "/D" + std::to_string(c.D);
+  return std::string(name_of(c.dir)) + "/dynw/B" + std::to_string(c.B) + "/H" +
+         std::to_string(c.H) + "/T" + std::to_string(c.T) + "/D" + std::to_string(c.D);
 }
 
 // Parameters in the official layout with the official init scales (spec section 2).
@@ -494,7 +520,10 @@ struct ProjectionProblem {
   dcmha::ProjectionActivations<float> activations;
 
   explicit ProjectionProblem(const ProjectionCase& c_)
-      : c(c_), E(c_.H * c_.D), M(c_.H / kGroups), K(4 * c_.H / kGroups),
+      : c(c_),
+        E(c_.H * c_.D),
+        M(c_.H / kGroups),
+        K(4 * c_.H / kGroups),
         out(c_.B, c_.T, kGroups, kRank, c_.H / kGroups),
         dout(c_.B, c_.T, kGroups, kRank, c_.H / kGroups) {
     const index_t G = kGroups, R = kRank, H = c.H;
@@ -523,7 +552,8 @@ struct ProjectionProblem {
 
   /// The backward's forward (keeping the activations) runs once, before the timed loop.
   void prepare(const dcmha::ProjectionConfig& cfg) {
-    if (c.dir == Dir::bwd) dcmha::dynamic_weights_forward(cfg, input(), params, out.views(), activations);
+    if (c.dir == Dir::bwd)
+      dcmha::dynamic_weights_forward(cfg, input(), params, out.views(), activations);
   }
   void run(const dcmha::ProjectionConfig& cfg) {
     if (c.dir == Dir::fwd)
@@ -532,11 +562,14 @@ struct ProjectionProblem {
       dcmha::dynamic_weights_backward(cfg, input(), params, activations, dout.views(),
                                       dcmha::view<3>(dx.data(), {c.B, c.T, E}), grads);
   }
-  dcmha::TensorView<const float, 3> input() const { return dcmha::view<3>(x.data(), {c.B, c.T, E}); }
+  dcmha::TensorView<const float, 3> input() const {
+    return dcmha::view<3>(x.data(), {c.B, c.T, E});
+  }
 
   // The GEMMs' FLOPs: x dw1 and x dd (E -> 4K + 4M per position), then hidden qkw
   // (4 x K -> 2R·M per group); the backward does each product twice (input and weight gradients).
-  // Counted from the math, so a backward that recomputed the forward's products would not look faster.
+  // Counted from the math, so a backward that recomputed the forward's products would not look
+  // faster.
   double flops() const {
     const double rows = double(c.B) * double(c.T);
     const double f = 2.0 * rows * double(E) * double(kGroups) * double(4 * K + 4 * M) +
@@ -558,7 +591,8 @@ void run_projection_case(benchmark::State& state, const ProjectionCase& c) {
       p.run(cfg);
       benchmark::ClobberMemory();
     }
-    state.counters["FLOPS"] = benchmark::Counter(p.flops(), benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["FLOPS"] =
+        benchmark::Counter(p.flops(), benchmark::Counter::kIsIterationInvariantRate);
     state.counters["threads"] = max_threads();
   } catch (const std::exception& e) {
     g_any_failed = true;
@@ -613,7 +647,13 @@ void register_all(bool smoke, bool memory_everywhere) {
   // an enclosing team, next to one call over both.
   for (Dir dir : {Dir::fwd, Dir::bwd})
     for (bool nested : {false, true}) {
-      Case c{dir, Op::dcmha, 2, smoke ? 4 : 16, smoke ? 64 : 2048, smoke ? 16 : 64, dcmha::Mask::causal,
+      Case c{dir,
+             Op::dcmha,
+             2,
+             smoke ? 4 : 16,
+             smoke ? 64 : 2048,
+             smoke ? 16 : 64,
+             dcmha::Mask::causal,
              memory_everywhere};
       c.nested = nested;
       register_case(c);
@@ -632,9 +672,12 @@ int main(int argc, char** argv) {
   bool smoke = false, memory_everywhere = false;
   int kept = 1;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--dcmha_smoke") == 0) smoke = true;
-    else if (std::strcmp(argv[i], "--dcmha_report_memory") == 0) memory_everywhere = true;
-    else argv[kept++] = argv[i];
+    if (std::strcmp(argv[i], "--dcmha_smoke") == 0)
+      smoke = true;
+    else if (std::strcmp(argv[i], "--dcmha_report_memory") == 0)
+      memory_everywhere = true;
+    else
+      argv[kept++] = argv[i];
   }
   argc = kept;
 

@@ -90,12 +90,12 @@ int main() {
   // and so are q, k, v above. Parameters use the official layout and init scales (spec 2).
   const index_t E = H * D, Kh = 4 * M;  // model width; hidden width K of the spec
   std::vector<float> x = randn(static_cast<std::size_t>(B * T * E), 1.0f, rng);
-  std::vector<float> p_dw1 = randn(static_cast<std::size_t>(E * G * 4 * Kh),
-                                   std::sqrt(2.0f / float(E + Kh)), rng);
+  std::vector<float> p_dw1 =
+      randn(static_cast<std::size_t>(E * G * 4 * Kh), std::sqrt(2.0f / float(E + Kh)), rng);
   std::vector<float> p_qkw = randn(static_cast<std::size_t>(G * 4 * Kh * 2 * R * M),
                                    0.02f / (std::sqrt(2.0f * H * R) * float(H + R)), rng);
-  std::vector<float> p_dd = randn(static_cast<std::size_t>(E * G * 4 * M),
-                                  0.05f * std::sqrt(2.0f / float(H + E)), rng);
+  std::vector<float> p_dd =
+      randn(static_cast<std::size_t>(E * G * 4 * M), 0.05f * std::sqrt(2.0f / float(H + E)), rng);
   auto X = dcmha::view<3>(x.data(), {B, T, E});
   dcmha::DynamicWeightProjection<float> proj;
   proj.dw1 = dcmha::view<4>(p_dw1.data(), {E, G, 4, Kh});
@@ -166,12 +166,14 @@ int main() {
 
     // ---- DCMHA with bf16 activations --------------------------------------------------------
     dynw16.data = to_bf16(dynw.data);
-    const dcmha::ComposeWeights<dcmha::bf16> compose16 = dcmha::compose_weights<dcmha::bf16>(dynw16.views());
+    const dcmha::ComposeWeights<dcmha::bf16> compose16 =
+        dcmha::compose_weights<dcmha::bf16>(dynw16.views());
     dcmha::forward(cfg, act16(q16), act16(k16), act16(v16), act16(o16),
                    dcmha::view<3>(lse16.data(), {B, H, T}), compose16, workspace);
-    dcmha::backward(cfg, act16(q16), act16(k16), act16(v16), dcmha::view<3>(lse16.data(), {B, H, T}),
-                    act16(dout16), act16(dq16), act16(dk16), act16(dv16), compose16,
-                    dcmha::compose_grads(dynw16_grad.views()), workspace);
+    dcmha::backward(cfg, act16(q16), act16(k16), act16(v16),
+                    dcmha::view<3>(lse16.data(), {B, H, T}), act16(dout16), act16(dq16),
+                    act16(dk16), act16(dv16), compose16, dcmha::compose_grads(dynw16_grad.views()),
+                    workspace);
     // to_float(dynw16_grad.data) is what dynamic_weights_backward would take next, as above.
   } catch (const dcmha::Error& e) {  // invalid argument: shapes, strides, switches
     std::fprintf(stderr, "dcmha rejected an argument: %s\n", e.what());
@@ -181,9 +183,10 @@ int main() {
     return 1;
   }
 
-  std::printf("B=%lld T=%lld H=%lld D=%lld, causal; DCMHA with G=%lld R=%lld (pre+post, "
-              "query- and key-wise)\n",
-              (long long)B, (long long)T, (long long)H, (long long)D, (long long)G, (long long)R);
+  std::printf(
+      "B=%lld T=%lld H=%lld D=%lld, causal; DCMHA with G=%lld R=%lld (pre+post, "
+      "query- and key-wise)\n",
+      (long long)B, (long long)T, (long long)H, (long long)D, (long long)G, (long long)R);
   std::printf("out[b=0,t=%lld,h=0,d=0..3]  MHA  : % .5f % .5f % .5f % .5f\n", (long long)(T - 1),
               O_mha(0, 0, T - 1, 0), O_mha(0, 0, T - 1, 1), O_mha(0, 0, T - 1, 2),
               O_mha(0, 0, T - 1, 3));
@@ -192,18 +195,20 @@ int main() {
               O_dc(0, 0, T - 1, 3));
   std::printf("rms(out): MHA %.5f  DCMHA %.5f  max|diff| %.5f\n", rms(o_mha), rms(o_dc),
               max_abs_diff(o_mha, o_dc));
-  std::printf("max|diff| of gradients: dq %.5f  dk %.5f  dv %.5f\n",
-              max_abs_diff(dq_mha, dq_dc), max_abs_diff(dk_mha, dk_dc), max_abs_diff(dv_mha, dv_dc));
-  std::printf("rms: dynamic weights %.5f  their grads %.5f  dx %.5f  d dw1 %.5f\n",
-              rms(dynw.data), rms(dynw_grad.data), rms(dx), rms(g_dw1));
+  std::printf("max|diff| of gradients: dq %.5f  dk %.5f  dv %.5f\n", max_abs_diff(dq_mha, dq_dc),
+              max_abs_diff(dk_mha, dk_dc), max_abs_diff(dv_mha, dv_dc));
+  std::printf("rms: dynamic weights %.5f  their grads %.5f  dx %.5f  d dw1 %.5f\n", rms(dynw.data),
+              rms(dynw_grad.data), rms(dx), rms(g_dw1));
 
   // bf16 against float: bf16 keeps 8 significant bits, so the inputs' rounding (2^-9 relative)
   // and the results' own give differences of a few 2^-8 relative; a broken kernel gives O(1).
   const double bf16_out = rel_diff(to_float(o16), o_dc), bf16_dq = rel_diff(to_float(dq16), dq_dc),
                bf16_dk = rel_diff(to_float(dk16), dk_dc), bf16_dv = rel_diff(to_float(dv16), dv_dc),
                bf16_dw = rel_diff(to_float(dynw16_grad.data), dynw_grad.data);
-  std::printf("bf16 against float (max|diff| / max|float|): out %.4f  dq %.4f  dk %.4f  dv %.4f  "
-              "d(dynamic weights) %.4f\n", bf16_out, bf16_dq, bf16_dk, bf16_dv, bf16_dw);
+  std::printf(
+      "bf16 against float (max|diff| / max|float|): out %.4f  dq %.4f  dk %.4f  dv %.4f  "
+      "d(dynamic weights) %.4f\n",
+      bf16_out, bf16_dq, bf16_dk, bf16_dv, bf16_dw);
   for (double e : {bf16_out, bf16_dq, bf16_dk, bf16_dv, bf16_dw})
     if (!(e < 0.05)) {
       std::fprintf(stderr, "bf16 results differ from float by more than bf16 precision explains\n");

@@ -19,18 +19,26 @@ BUILD_DIR="${BUILD_DIR:-build}"
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
 
 # make: cmake's default generator needs it, and Debian's cmake only recommends it.
-dcmha_require_packages cmake make g++ libeigen3-dev libgtest-dev libbenchmark-dev
+dcmha_require_packages cmake make g++ libeigen3-dev libgtest-dev libbenchmark-dev clang-format
 
+# Every C++ file as .clang-format writes it (clang-format -i FILE... fixes one).
+step "format (clang-format $(clang-format --version | grep -o '[0-9][0-9.]*' | head -n 1))"
+mapfile -t sources < <(find include tests tools bench examples -name '*.hpp' -o -name '*.cpp' \
+  -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' | sort)
+clang-format --dry-run --Werror "${sources[@]}"
+RECAP=("format: ${#sources[@]} files as .clang-format writes them")
+
+# -Werror: the project's own targets build without a warning.
 step "configure ($BUILD_DIR, Release)"
-cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
-  -DDCMHA_BUILD_TESTS=ON -DDCMHA_BUILD_BENCHMARKS=ON -DDCMHA_BUILD_EXAMPLES=ON
+cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DDCMHA_WERROR=ON \
+  -DDCMHA_BUILD_TESTS=ON -DDCMHA_BUILD_BENCHMARKS=ON -DDCMHA_BUILD_EXAMPLES=ON >/dev/null
 
 step "build (-j$JOBS)"
 cmake --build "$BUILD_DIR" -j "$JOBS"
 
 step "ctest"
 (cd "$BUILD_DIR" && ctest --output-on-failure) | tee "$BUILD_DIR/ctest.log"
-RECAP=("release: $(grep -E 'tests passed|tests failed' "$BUILD_DIR/ctest.log" | tail -n 1)")
+RECAP+=("release: $(grep -E 'tests passed|tests failed' "$BUILD_DIR/ctest.log" | tail -n 1)")
 
 # Runs a command and keeps its last line (its summary) for the recap at the end.
 recap_of() {

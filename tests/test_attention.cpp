@@ -27,7 +27,8 @@ constexpr double tolerance() {
 /// output and gradient with the reference, computed once.
 template <class T>
 void check_against_reference(const ProblemSpec& spec, uint64_t seed,
-                             std::initializer_list<int> thread_counts, Layout layout = Layout::bhtd) {
+                             std::initializer_list<int> thread_counts,
+                             Layout layout = Layout::bhtd) {
   const dcmha::reference::Problem p = dcmha::test::random_problem(spec, seed);
   const std::vector<double> dout = dcmha::test::random_dout(p, seed);
   const auto [expected_out, expected] = dcmha::reference::forward_and_backward(p, dout);
@@ -53,8 +54,10 @@ void check_against_reference(const ProblemSpec& spec, uint64_t seed, int threads
 }
 
 /// `values` followed by every gradient of g, in named_gradients' order.
-std::vector<double> with_gradients(std::vector<double> values, const dcmha::reference::Gradients& g) {
-  for (auto& [name, vec] : dcmha::test::named_gradients(g)) values.insert(values.end(), vec->begin(), vec->end());
+std::vector<double> with_gradients(std::vector<double> values,
+                                   const dcmha::reference::Gradients& g) {
+  for (auto& [name, vec] : dcmha::test::named_gradients(g))
+    values.insert(values.end(), vec->begin(), vec->end());
   return values;
 }
 
@@ -115,7 +118,14 @@ TYPED_TEST(AttentionVsReference, OfficialDcformerConfiguration) {
   // G = 1, pre and post with query- and key-wise terms, R = 2, no static W: the official default.
   for (bool causal : {true, false}) {
     ProblemSpec s;
-    s.B = 1; s.H = 8; s.Hk = 8; s.T = 70; s.S = 70; s.D = 16; s.Dv = 16; s.G = 1;
+    s.B = 1;
+    s.H = 8;
+    s.Hk = 8;
+    s.T = 70;
+    s.S = 70;
+    s.D = 16;
+    s.Dv = 16;
+    s.G = 1;
     s.causal = causal;
     s.pre = s.post = SideSpec::dynamic();
     check_against_reference<TypeParam>(s, 7, {1, 2}, Layout::bthd);
@@ -127,7 +137,16 @@ TYPED_TEST(AttentionVsReference, QueryBlockEdges) {
   // one row more, one row less, two blocks exactly, for both.
   for (int64_t T : {63, 64, 65, 127, 128, 129, 255, 256, 257}) {
     ProblemSpec s;
-    s.B = 1; s.H = 2; s.Hk = 1; s.T = T; s.S = T; s.D = 4; s.Dv = 4; s.G = 1; s.Rq = 1; s.Rk = 2;
+    s.B = 1;
+    s.H = 2;
+    s.Hk = 1;
+    s.T = T;
+    s.S = T;
+    s.D = 4;
+    s.Dv = 4;
+    s.G = 1;
+    s.Rq = 1;
+    s.Rk = 2;
     s.causal = true;
     check_against_reference<TypeParam>(s, T, {1, 2});
   }
@@ -135,13 +154,28 @@ TYPED_TEST(AttentionVsReference, QueryBlockEdges) {
   // block one row short, exact, one row long.
   for (auto [T, threads] : {std::pair<int64_t, int>{1151, 1}, {1152, 1}, {1153, 1}, {2049, 2}}) {
     ProblemSpec s;
-    s.B = 1; s.H = 2; s.Hk = 1; s.T = T; s.S = T; s.D = 4; s.Dv = 4; s.G = 1; s.Rq = 1; s.Rk = 2;
+    s.B = 1;
+    s.H = 2;
+    s.Hk = 1;
+    s.T = T;
+    s.S = T;
+    s.D = 4;
+    s.Dv = 4;
+    s.G = 1;
+    s.Rq = 1;
+    s.Rk = 2;
     s.causal = true;
     s.pre = s.post = SideSpec::dynamic();
     dcmha::detail::AttentionDims d;
-    d.B = 1; d.H = d.M = 2; d.Hk = d.G = 1; d.T = d.S = T; d.D = d.Dv = 4;
+    d.B = 1;
+    d.H = d.M = 2;
+    d.Hk = d.G = 1;
+    d.T = d.S = T;
+    d.D = d.Dv = 4;
     dcmha::AttentionConfig cfg;
-    ASSERT_EQ(dcmha::cpu::ForwardWorkspace<float>::block_rows(d, dcmha::cpu::RowMask(cfg, T, T), threads), 128)
+    ASSERT_EQ(
+        dcmha::cpu::ForwardWorkspace<float>::block_rows(d, dcmha::cpu::RowMask(cfg, T, T), threads),
+        128)
         << "this case is meant to run 128-row blocks";
     check_against_reference<TypeParam>(s, T, threads);
   }
@@ -151,7 +185,16 @@ TYPED_TEST(AttentionVsReference, ManyQueryBlocksFewGroups) {
   // B * G = 1 and at least 4 query blocks per thread: the forward hands whole query blocks to
   // threads (private panels) instead of splitting keys.
   ProblemSpec s;
-  s.B = 1; s.H = 2; s.Hk = 1; s.T = 530; s.S = 530; s.D = 4; s.Dv = 4; s.G = 1; s.Rq = 2; s.Rk = 1;
+  s.B = 1;
+  s.H = 2;
+  s.Hk = 1;
+  s.T = 530;
+  s.S = 530;
+  s.D = 4;
+  s.Dv = 4;
+  s.G = 1;
+  s.Rq = 2;
+  s.Rk = 1;
   s.pre = s.post = SideSpec::dynamic();
   for (bool causal : {true, false}) {
     s.causal = causal;
@@ -163,7 +206,14 @@ TYPED_TEST(AttentionVsReference, KeyTileEdges) {
   // Thread shares are multiples of 16 keys, compose chunks 32, backward dV tiles 64.
   for (int64_t S : {1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 97}) {
     ProblemSpec s;
-    s.B = 1; s.H = 4; s.Hk = 2; s.T = 3; s.S = S; s.D = 4; s.Dv = 6; s.G = 2;
+    s.B = 1;
+    s.H = 4;
+    s.Hk = 2;
+    s.T = 3;
+    s.S = S;
+    s.D = 4;
+    s.Dv = 6;
+    s.G = 2;
     for (bool causal : {false, true}) {
       s.causal = causal;
       check_against_reference<TypeParam>(s, S, {1, 2, 3});
@@ -183,7 +233,16 @@ TYPED_TEST(AttentionVsReference, ProductTileEdges) {
   for (int64_t S : {129, 161, 255, 256, 257, 600}) {
     for (int64_t T : {int64_t(5), S}) {
       ProblemSpec s;
-      s.B = 1; s.H = 8; s.Hk = 4; s.T = T; s.S = S; s.D = 20; s.Dv = 13; s.G = 1; s.Rq = 2; s.Rk = 1;
+      s.B = 1;
+      s.H = 8;
+      s.Hk = 4;
+      s.T = T;
+      s.S = S;
+      s.D = 20;
+      s.Dv = 13;
+      s.G = 1;
+      s.Rq = 2;
+      s.Rk = 1;
       s.pre = s.post = SideSpec::dynamic();
       s.causal = T == S;
       check_against_reference<TypeParam>(s, S + T, {1, 2});
@@ -195,7 +254,9 @@ TYPED_TEST(AttentionVsReference, SingleQueryAndSingleKey) {
   for (auto [T, S] : {std::pair<int64_t, int64_t>{1, 1}, {1, 40}, {40, 1}}) {
     for (bool causal : {false, true}) {
       ProblemSpec s;
-      s.T = T; s.S = S; s.causal = causal;
+      s.T = T;
+      s.S = S;
+      s.causal = causal;
       check_against_reference<TypeParam>(s, 3, {1, 2});
     }
   }
@@ -204,7 +265,11 @@ TYPED_TEST(AttentionVsReference, SingleQueryAndSingleKey) {
 TYPED_TEST(AttentionVsReference, RowsThatSeeNoKeyGiveZeros) {
   // Causal with T > S: the first T - S query rows see no key.
   ProblemSpec s;
-  s.B = 2; s.H = 4; s.T = 20; s.S = 6; s.causal = true;
+  s.B = 2;
+  s.H = 4;
+  s.T = 20;
+  s.S = 6;
+  s.causal = true;
   check_against_reference<TypeParam>(s, 11, {1, 2});
 
   const auto p = dcmha::test::random_problem(s, 11);
@@ -228,7 +293,14 @@ TYPED_TEST(AttentionVsReference, RowsThatSeeNoKeyGiveZeros) {
 TYPED_TEST(AttentionVsReference, WindowedAttention) {
   for (int64_t W : {1, 5, 16, 17, 64}) {
     ProblemSpec s;
-    s.B = 1; s.H = 4; s.Hk = 4; s.T = 80; s.S = 80; s.D = 8; s.Dv = 8; s.G = 1;
+    s.B = 1;
+    s.H = 4;
+    s.Hk = 4;
+    s.T = 80;
+    s.S = 80;
+    s.D = 8;
+    s.Dv = 8;
+    s.G = 1;
     s.causal = true;
     s.window = W;
     s.pre = s.post = SideSpec::dynamic();
@@ -251,7 +323,14 @@ TYPED_TEST(AttentionVsReference, PaddedBatches) {
   for (const Case& c : cases)
     for (bool composed : {false, true}) {
       ProblemSpec s;
-      s.B = 3; s.H = 4; s.Hk = 2; s.T = 20; s.S = 25; s.D = 8; s.Dv = 8; s.G = 2;
+      s.B = 3;
+      s.H = 4;
+      s.Hk = 2;
+      s.T = 20;
+      s.S = 25;
+      s.D = 8;
+      s.Dv = 8;
+      s.G = 2;
       s.causal = c.causal;
       s.window = c.window;
       if (!composed) s.pre = s.post = SideSpec::none();
@@ -270,7 +349,8 @@ TYPED_TEST(AttentionVsReference, PaddedBatches) {
         cfg.query_lengths = dcmha::view<1>(c.ql.data(), {3});
         cfg.key_lengths = dcmha::view<1>(c.kl.data(), {3});
         dcmha::forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
-        EXPECT_LE(dcmha::test::max_rel_error(expected_out, tp.out_values()), tolerance<TypeParam>());
+        EXPECT_LE(dcmha::test::max_rel_error(expected_out, tp.out_values()),
+                  tolerance<TypeParam>());
         dcmha::backward(cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(), tp.dv(),
                         tp.compose(), tp.dcompose());
         for (const auto& e : dcmha::test::gradient_errors(expected, tp.gradients()))
@@ -284,13 +364,17 @@ TYPED_TEST(AttentionVsReference, PaddedBatches) {
       for (int64_t b = 0; b < s.B; ++b) {
         for (int64_t h = 0; h < s.H; ++h)
           for (int64_t t = c.ql[size_t(b)]; t < s.T; ++t) {
-            for (int64_t e = 0; e < s.D; ++e) poisoned.q[size_t(((b * s.H + h) * s.T + t) * s.D + e)] = NAN;
-            for (int64_t e = 0; e < s.Dv; ++e) poisoned_dout[size_t(((b * s.H + h) * s.T + t) * s.Dv + e)] = NAN;
+            for (int64_t e = 0; e < s.D; ++e)
+              poisoned.q[size_t(((b * s.H + h) * s.T + t) * s.D + e)] = NAN;
+            for (int64_t e = 0; e < s.Dv; ++e)
+              poisoned_dout[size_t(((b * s.H + h) * s.T + t) * s.Dv + e)] = NAN;
           }
         for (int64_t h = 0; h < s.Hk; ++h)
           for (int64_t t = c.kl[size_t(b)]; t < s.S; ++t) {
-            for (int64_t e = 0; e < s.D; ++e) poisoned.k[size_t(((b * s.Hk + h) * s.S + t) * s.D + e)] = NAN;
-            for (int64_t e = 0; e < s.Dv; ++e) poisoned.v[size_t(((b * s.Hk + h) * s.S + t) * s.Dv + e)] = NAN;
+            for (int64_t e = 0; e < s.D; ++e)
+              poisoned.k[size_t(((b * s.Hk + h) * s.S + t) * s.D + e)] = NAN;
+            for (int64_t e = 0; e < s.Dv; ++e)
+              poisoned.v[size_t(((b * s.Hk + h) * s.S + t) * s.Dv + e)] = NAN;
           }
       }
       const int64_t M = s.H / s.G;
@@ -301,7 +385,8 @@ TYPED_TEST(AttentionVsReference, PaddedBatches) {
               side->qw1[size_t((b * s.T + t) * s.G * s.Rq * M + i)] = NAN;
               side->qw2[size_t((b * s.T + t) * s.G * s.Rq * M + i)] = NAN;
             }
-            for (int64_t i = 0; i < s.G * M; ++i) side->qdd[size_t((b * s.T + t) * s.G * M + i)] = NAN;
+            for (int64_t i = 0; i < s.G * M; ++i)
+              side->qdd[size_t((b * s.T + t) * s.G * M + i)] = NAN;
           }
       TypedProblem<TypeParam> tp(poisoned);
       tp.num_threads = 2;
@@ -310,7 +395,8 @@ TYPED_TEST(AttentionVsReference, PaddedBatches) {
       cfg.query_lengths = dcmha::view<1>(c.ql.data(), {3});
       cfg.key_lengths = dcmha::view<1>(c.kl.data(), {3});
       dcmha::forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
-      EXPECT_LE(dcmha::test::max_rel_error(expected_out, tp.out_values()), tolerance<TypeParam>()) << "NaN padding";
+      EXPECT_LE(dcmha::test::max_rel_error(expected_out, tp.out_values()), tolerance<TypeParam>())
+          << "NaN padding";
       dcmha::backward(cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(), tp.dv(),
                       tp.compose(), tp.dcompose());
       for (const auto& e : dcmha::test::gradient_errors(expected, tp.gradients()))
@@ -328,19 +414,26 @@ TEST(AttentionApi, LengthsAreValidated) {
     dcmha::forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
     FAIL() << "no error";
   } catch (const dcmha::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("cfg.query_lengths[0]: expected a length in [0, 5]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("cfg.query_lengths[0]: expected a length in [0, 5]"),
+              std::string::npos)
+        << e.what();
   }
   std::vector<int64_t> two = {1, 1};
   cfg.query_lengths = {};
   cfg.key_lengths = dcmha::view<1>(two.data(), {2});
-  EXPECT_THROW(dcmha::forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose()), dcmha::Error);
+  EXPECT_THROW(dcmha::forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose()),
+               dcmha::Error);
 }
 
 /// Same inputs, same thread count: bitwise the same outputs and gradients.
 TYPED_TEST(AttentionVsReference, DeterministicForAFixedThreadCount) {
   for (int64_t B : {1, 2}) {  // B = 1: one key-split team; B = 2: whole items per thread
     ProblemSpec s;
-    s.B = B; s.H = 4; s.T = 50; s.S = 50; s.causal = true;
+    s.B = B;
+    s.H = 4;
+    s.T = 50;
+    s.S = 50;
+    s.causal = true;
     const auto p = dcmha::test::random_problem(s, 5);
     std::vector<double> first;
     for (int run = 0; run < 3; ++run) {
@@ -351,9 +444,11 @@ TYPED_TEST(AttentionVsReference, DeterministicForAFixedThreadCount) {
       dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
                       tp.dv(), tp.compose(), tp.dcompose());
       const std::vector<double> all = with_gradients(tp.out_values(), tp.gradients());
-      if (run == 0) first = all;
+      if (run == 0)
+        first = all;
       else
-        ASSERT_EQ(first_bitwise_difference(first, all), -1) << "B=" << B << " of " << all.size() << " values";
+        ASSERT_EQ(first_bitwise_difference(first, all), -1)
+            << "B=" << B << " of " << all.size() << " values";
     }
   }
 }
@@ -366,7 +461,14 @@ TYPED_TEST(AttentionVsReference, BackwardBitwiseTheSameForEveryThreadCount) {
   for (int64_t B : {1, 2})
     for (bool with_w : {true, false}) {
       ProblemSpec s;
-      s.B = B; s.H = 32; s.Hk = with_w ? 32 : 8; s.T = 150; s.S = 150; s.D = 8; s.Dv = 8; s.causal = true;
+      s.B = B;
+      s.H = 32;
+      s.Hk = with_w ? 32 : 8;
+      s.T = 150;
+      s.S = 150;
+      s.D = 8;
+      s.Dv = 8;
+      s.causal = true;
       if (!with_w) s.pre = s.post = SideSpec::dynamic();
       const auto p = dcmha::test::random_problem(s, 17);
       TypedProblem<TypeParam> tp(p);
@@ -382,7 +484,8 @@ TYPED_TEST(AttentionVsReference, BackwardBitwiseTheSameForEveryThreadCount) {
         if (threads == 2) {
           first = all;
           // Not all zero: a backward that wrote nothing would compare equal too.
-          ASSERT_GT(std::count_if(all.begin(), all.end(), [](double x) { return x != 0; }), int64_t(all.size() / 2));
+          ASSERT_GT(std::count_if(all.begin(), all.end(), [](double x) { return x != 0; }),
+                    int64_t(all.size() / 2));
         } else {
           ASSERT_EQ(first_bitwise_difference(first, all), -1)
               << s.str() << " threads=" << threads << " of " << all.size() << " values";
@@ -397,7 +500,14 @@ TYPED_TEST(AttentionVsReference, BackwardBitwiseTheSameForEveryThreadCount) {
 TYPED_TEST(AttentionVsReference, BackwardKeyTilesWithWindowsAndPadding) {
   for (int64_t window : {0, 40}) {
     ProblemSpec s;
-    s.B = 3; s.H = 32; s.Hk = 8; s.T = 150; s.S = 170; s.D = 8; s.Dv = 8; s.causal = true;
+    s.B = 3;
+    s.H = 32;
+    s.Hk = 8;
+    s.T = 150;
+    s.S = 170;
+    s.D = 8;
+    s.Dv = 8;
+    s.causal = true;
     s.window = window;
     s.pre.static_w = false;  // one side generic (static W), one on the register path
     auto p = dcmha::test::random_problem(s, 23);
@@ -423,7 +533,8 @@ TYPED_TEST(AttentionVsReference, BackwardKeyTilesWithWindowsAndPadding) {
       for (const auto& e : dcmha::test::gradient_errors(expected, g))
         EXPECT_LE(e.rel, tolerance<TypeParam>()) << e.name << " threads=" << threads;
       const std::vector<double> all = with_gradients({}, g);
-      if (threads == 2) first = all;
+      if (threads == 2)
+        first = all;
       else
         ASSERT_EQ(first_bitwise_difference(first, all), -1) << "threads=" << threads;
     }
@@ -434,7 +545,15 @@ TYPED_TEST(AttentionVsReference, BackwardKeyTilesWithWindowsAndPadding) {
 /// D + Dv get bitwise the gradients of separate buffers, and every element of the rows is written.
 TYPED_TEST(AttentionVsReference, GradientsInterleavedInOneBuffer) {
   ProblemSpec s;
-  s.B = 2; s.H = 4; s.Hk = 2; s.T = 70; s.S = 70; s.D = 8; s.Dv = 12; s.G = 2; s.causal = true;
+  s.B = 2;
+  s.H = 4;
+  s.Hk = 2;
+  s.T = 70;
+  s.S = 70;
+  s.D = 8;
+  s.Dv = 12;
+  s.G = 2;
+  s.causal = true;
   s.pre = s.post = SideSpec::dynamic();
   const auto p = dcmha::test::random_problem(s, 5);
   TypedProblem<TypeParam> tp(p);
@@ -449,8 +568,12 @@ TYPED_TEST(AttentionVsReference, GradientsInterleavedInOneBuffer) {
   dcmha::TensorView<TypeParam, 4> dv(both.data() + s.D, {s.B, s.Hk, s.S, s.Dv}, stride);
   dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), dk, dv,
                   tp.compose(), tp.dcompose());
-  EXPECT_EQ(first_bitwise_difference(dcmha::test::to_canonical(tp.dk()), dcmha::test::to_canonical(dk)), -1);
-  EXPECT_EQ(first_bitwise_difference(dcmha::test::to_canonical(tp.dv()), dcmha::test::to_canonical(dv)), -1);
+  EXPECT_EQ(
+      first_bitwise_difference(dcmha::test::to_canonical(tp.dk()), dcmha::test::to_canonical(dk)),
+      -1);
+  EXPECT_EQ(
+      first_bitwise_difference(dcmha::test::to_canonical(tp.dv()), dcmha::test::to_canonical(dv)),
+      -1);
 }
 
 /// A Workspace kept across calls of different shapes (growing, then smaller again; one team and
@@ -462,15 +585,22 @@ TYPED_TEST(AttentionVsReference, WorkspaceKeptBetweenCalls) {
     int64_t B, H, G, T, S;
     bool compose;
   };
-  const Case cases[] = {{1, 4, 1, 9, 9, true},     {1, 8, 1, 150, 150, true}, {2, 4, 2, 40, 70, true},
-                        {1, 4, 4, 150, 150, false}, {1, 4, 1, 9, 9, true},    {1, 8, 1, 150, 150, true}};
+  const Case cases[] = {{1, 4, 1, 9, 9, true},   {1, 8, 1, 150, 150, true},
+                        {2, 4, 2, 40, 70, true}, {1, 4, 4, 150, 150, false},
+                        {1, 4, 1, 9, 9, true},   {1, 8, 1, 150, 150, true}};
   dcmha::Workspace ws;
   for (size_t c = 0; c < std::size(cases); ++c) {
     const std::size_t held_before = ws.bytes();
     const Case& k = cases[c];
     SCOPED_TRACE("case " + std::to_string(c));
     ProblemSpec s;
-    s.B = k.B; s.H = k.H; s.Hk = k.H; s.G = k.G; s.T = k.T; s.S = k.S; s.causal = true;
+    s.B = k.B;
+    s.H = k.H;
+    s.Hk = k.H;
+    s.G = k.G;
+    s.T = k.T;
+    s.S = k.S;
+    s.causal = true;
     if (!k.compose) s.pre = s.post = SideSpec::none();
     const auto p = dcmha::test::random_problem(s, 30 + c);
     const auto dout = dcmha::test::random_dout(p, 30 + c);
@@ -479,12 +609,14 @@ TYPED_TEST(AttentionVsReference, WorkspaceKeptBetweenCalls) {
       tp->num_threads = 2;
       tp->set_dout(dout);
     }
-    dcmha::forward(fresh.config(), fresh.q(), fresh.k(), fresh.v(), fresh.out(), fresh.lse(), fresh.compose());
-    dcmha::backward(fresh.config(), fresh.q(), fresh.k(), fresh.v(), fresh.lse(), fresh.dout(), fresh.dq(),
-                    fresh.dk(), fresh.dv(), fresh.compose(), fresh.dcompose());
-    dcmha::forward(kept.config(), kept.q(), kept.k(), kept.v(), kept.out(), kept.lse(), kept.compose(), ws);
-    dcmha::backward(kept.config(), kept.q(), kept.k(), kept.v(), kept.lse(), kept.dout(), kept.dq(), kept.dk(),
-                    kept.dv(), kept.compose(), kept.dcompose(), ws);
+    dcmha::forward(fresh.config(), fresh.q(), fresh.k(), fresh.v(), fresh.out(), fresh.lse(),
+                   fresh.compose());
+    dcmha::backward(fresh.config(), fresh.q(), fresh.k(), fresh.v(), fresh.lse(), fresh.dout(),
+                    fresh.dq(), fresh.dk(), fresh.dv(), fresh.compose(), fresh.dcompose());
+    dcmha::forward(kept.config(), kept.q(), kept.k(), kept.v(), kept.out(), kept.lse(),
+                   kept.compose(), ws);
+    dcmha::backward(kept.config(), kept.q(), kept.k(), kept.v(), kept.lse(), kept.dout(), kept.dq(),
+                    kept.dk(), kept.dv(), kept.compose(), kept.dcompose(), ws);
     const std::vector<double> a = with_gradients(fresh.out_values(), fresh.gradients());
     const std::vector<double> b = with_gradients(kept.out_values(), kept.gradients());
     ASSERT_EQ(a.size(), b.size());
@@ -504,7 +636,9 @@ TYPED_TEST(AttentionVsReference, WorkspaceKeptBetweenCalls) {
 // result rounded to bf16: a stricter check than a tolerance, and one that covers every switch
 // and tile edge the float tests cover.
 
-double round_to_bf16(double x) { return double(static_cast<float>(dcmha::bf16(static_cast<float>(x)))); }
+double round_to_bf16(double x) {
+  return double(static_cast<float>(dcmha::bf16(static_cast<float>(x))));
+}
 
 void round_all(std::vector<double>& x) {
   for (double& e : x) e = round_to_bf16(e);
@@ -554,8 +688,9 @@ void check_bf16_is_rounded_float(const ProblemSpec& spec, uint64_t seed, int thr
     const bool same = want == h[i];  // -inf == -inf for rows without keys
     if (!same && mismatches++ == 0) first = i;
   }
-  EXPECT_EQ(mismatches, 0u) << "first at element " << first << " of " << f.size() << " (out: "
-                            << n_out << ", lse: " << n_lse << "): float " << f[first] << " bf16 " << h[first];
+  EXPECT_EQ(mismatches, 0u) << "first at element " << first << " of " << f.size()
+                            << " (out: " << n_out << ", lse: " << n_lse << "): float " << f[first]
+                            << " bf16 " << h[first];
 }
 
 TEST(Bf16Storage, RandomProblemsAreTheRoundedFloatResults) {
@@ -573,19 +708,41 @@ TEST(Bf16Storage, TileEdgesAreTheRoundedFloatResults) {
   for (int64_t T : {1, 3, 63, 65, 127, 129}) {
     for (int64_t S : {T, int64_t(97)}) {
       ProblemSpec s;
-      s.B = 1; s.H = 4; s.Hk = 2; s.T = T; s.S = std::max(S, T); s.D = 24; s.Dv = 17; s.G = 1;
+      s.B = 1;
+      s.H = 4;
+      s.Hk = 2;
+      s.T = T;
+      s.S = std::max(S, T);
+      s.D = 24;
+      s.Dv = 17;
+      s.G = 1;
       s.causal = T % 2 == 1;
       s.pre = s.post = SideSpec::dynamic();
-      for (int threads : {1, 2}) check_bf16_is_rounded_float(s, uint64_t(T * 1000 + S), threads, Layout::bthd);
+      for (int threads : {1, 2})
+        check_bf16_is_rounded_float(s, uint64_t(T * 1000 + S), threads, Layout::bthd);
     }
   }
   ProblemSpec wide;  // one item, whole query blocks per thread, 128-row blocks (QueryBlockEdges)
-  wide.B = 1; wide.H = 4; wide.Hk = 2; wide.G = 1; wide.T = 2049; wide.S = 2049; wide.D = 8; wide.Dv = 8;
+  wide.B = 1;
+  wide.H = 4;
+  wide.Hk = 2;
+  wide.G = 1;
+  wide.T = 2049;
+  wide.S = 2049;
+  wide.D = 8;
+  wide.Dv = 8;
   wide.causal = true;
   wide.pre = wide.post = SideSpec::dynamic();
   check_bf16_is_rounded_float(wide, 6, 2);
   ProblemSpec many;  // many groups: each thread takes whole (batch, group) items
-  many.B = 2; many.H = 8; many.Hk = 8; many.G = 4; many.T = 70; many.S = 70; many.D = 16; many.Dv = 16;
+  many.B = 2;
+  many.H = 8;
+  many.Hk = 8;
+  many.G = 4;
+  many.T = 70;
+  many.S = 70;
+  many.D = 16;
+  many.Dv = 16;
   many.causal = true;
   check_bf16_is_rounded_float(many, 5, 2);
 }
@@ -594,7 +751,15 @@ TEST(Bf16Storage, OfficialConfigurationAgainstTheReference) {
   // And within bf16's resolution of the float64 reference (one rounding of the result: 2^-9
   // relative, plus the float arithmetic's error).
   ProblemSpec s;
-  s.B = 1; s.H = 8; s.Hk = 8; s.T = 70; s.S = 70; s.D = 16; s.Dv = 16; s.G = 1; s.causal = true;
+  s.B = 1;
+  s.H = 8;
+  s.Hk = 8;
+  s.T = 70;
+  s.S = 70;
+  s.D = 16;
+  s.Dv = 16;
+  s.G = 1;
+  s.causal = true;
   s.pre = s.post = SideSpec::dynamic();
   const dcmha::reference::Problem p = bf16_problem(dcmha::test::random_problem(s, 11));
   std::vector<double> dout = dcmha::test::random_dout(p, 11);
@@ -605,8 +770,10 @@ TEST(Bf16Storage, OfficialConfigurationAgainstTheReference) {
   dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
   dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
                   tp.dv(), tp.compose(), tp.dcompose());
-  EXPECT_LE(dcmha::test::max_rel_error(dcmha::reference::forward(p), tp.out_values()), 4e-3) << "out";
-  for (const auto& e : dcmha::test::gradient_errors(dcmha::reference::backward(p, dout), tp.gradients()))
+  EXPECT_LE(dcmha::test::max_rel_error(dcmha::reference::forward(p), tp.out_values()), 4e-3)
+      << "out";
+  for (const auto& e :
+       dcmha::test::gradient_errors(dcmha::reference::backward(p, dout), tp.gradients()))
     EXPECT_LE(e.rel, 4e-3) << e.name;
 }
 
@@ -614,12 +781,13 @@ TEST(Bf16Storage, ConversionsRoundAsEigenDoes) {
   // The vector paths of the kernels' edges against Eigen's scalar bfloat16(float): ties to even
   // both ways, values that round up into the exponent or to infinity, subnormals, signed zeros,
   // infinities and NaNs of either sign; 37 values, so that the scalar tails run too.
-  const uint32_t bits[] = {0x3f808000u, 0x3f818000u, 0x3f807fffu, 0x3f808001u, 0x3fffffffu, 0x7f7fffffu,
-                           0xff7fffffu, 0x00000001u, 0x80008000u, 0x00018000u, 0x00000000u, 0x80000000u,
-                           0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff812345u,
-                           0x3eaaaaabu, 0xbeaaaaabu, 0x40490fdbu, 0xc0490fdbu, 0x3f7fff80u, 0x3f7fff7fu,
-                           0x3f7fff81u, 0x477fe000u, 0x477ff000u, 0x00800000u, 0x007fffffu, 0x4b000001u,
-                           0x3dcccccdu, 0xbdcccccdu, 0x42f6e979u, 0xc2f6e979u, 0x3f000080u, 0x3f000180u, 0x33d6bf95u};
+  const uint32_t bits[] = {
+      0x3f808000u, 0x3f818000u, 0x3f807fffu, 0x3f808001u, 0x3fffffffu, 0x7f7fffffu, 0xff7fffffu,
+      0x00000001u, 0x80008000u, 0x00018000u, 0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u,
+      0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff812345u, 0x3eaaaaabu, 0xbeaaaaabu, 0x40490fdbu,
+      0xc0490fdbu, 0x3f7fff80u, 0x3f7fff7fu, 0x3f7fff81u, 0x477fe000u, 0x477ff000u, 0x00800000u,
+      0x007fffffu, 0x4b000001u, 0x3dcccccdu, 0xbdcccccdu, 0x42f6e979u, 0xc2f6e979u, 0x3f000080u,
+      0x3f000180u, 0x33d6bf95u};
   const size_t n = std::size(bits);
   std::vector<float> x(n);
   for (size_t i = 0; i < n; ++i) std::memcpy(&x[i], &bits[i], 4);
@@ -627,7 +795,8 @@ TEST(Bf16Storage, ConversionsRoundAsEigenDoes) {
   dcmha::cpu::narrow_row(x.data(), narrowed.data(), dcmha::index_t(n));
   for (size_t i = 0; i < n; ++i) {
     const dcmha::bf16 want(x[i]);
-    EXPECT_EQ(Eigen::numext::bit_cast<uint16_t>(narrowed[i]), Eigen::numext::bit_cast<uint16_t>(want))
+    EXPECT_EQ(Eigen::numext::bit_cast<uint16_t>(narrowed[i]),
+              Eigen::numext::bit_cast<uint16_t>(want))
         << "value " << i << " bits " << std::hex << bits[i];
   }
   std::vector<float> widened(n);
@@ -641,7 +810,12 @@ TEST(Bf16Storage, ConversionsRoundAsEigenDoes) {
 TEST(AttentionApi, MhaIsDcmhaWithComposeOff) {
   // The drop-in contract: the same call without compose weights is plain softmax attention.
   ProblemSpec s;
-  s.B = 2; s.H = 4; s.Hk = 2; s.T = 9; s.S = 12; s.causal = true;
+  s.B = 2;
+  s.H = 4;
+  s.Hk = 2;
+  s.T = 9;
+  s.S = 12;
+  s.causal = true;
   s.pre = s.post = SideSpec::none();
   const auto p = dcmha::test::random_problem(s, 1);
   TypedProblem<double> tp(p);
@@ -658,14 +832,16 @@ TEST(AttentionApi, MhaIsDcmhaWithComposeOff) {
         for (int64_t j = 0; j <= last; ++j) {
           double x = 0;
           for (int64_t e = 0; e < s.D; ++e)
-            x += p.q[size_t(((b * s.H + h) * s.T + t) * s.D + e)] * p.k[size_t(((b * s.Hk + hk) * s.S + j) * s.D + e)];
+            x += p.q[size_t(((b * s.H + h) * s.T + t) * s.D + e)] *
+                 p.k[size_t(((b * s.Hk + hk) * s.S + j) * s.D + e)];
           l[size_t(j)] = x / std::sqrt(double(s.D));
           mx = std::max(mx, l[size_t(j)]);
         }
         for (auto& x : l) sum += (x = std::exp(x - mx));
         for (int64_t e = 0; e < s.Dv; ++e) {
           double o = 0;
-          for (int64_t j = 0; j <= last; ++j) o += l[size_t(j)] / sum * p.v[size_t(((b * s.Hk + hk) * s.S + j) * s.Dv + e)];
+          for (int64_t j = 0; j <= last; ++j)
+            o += l[size_t(j)] / sum * p.v[size_t(((b * s.Hk + hk) * s.S + j) * s.Dv + e)];
           worst = std::max(worst, std::abs(o - out[size_t(((b * s.H + h) * s.T + t) * s.Dv + e)]));
         }
       }

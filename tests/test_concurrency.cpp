@@ -62,8 +62,8 @@ class StartLine {
 inline int64_t step_of(int64_t T) { return T > 100 ? T / 8 : 2; }
 
 /// One caller's work, with its own problem, Workspace and DecodeCache: forward, backward, and
-/// the problem's tokens decoded in steps (prefill 5, then step_of(T) at a time). run() returns every
-/// result (out, lse, gradients, decode rows) in one vector.
+/// the problem's tokens decoded in steps (prefill 5, then step_of(T) at a time). run() returns
+/// every result (out, lse, gradients, decode rows) in one vector.
 class CallerJob {
  public:
   virtual ~CallerJob() = default;
@@ -77,8 +77,11 @@ template <class T>
 class TypedJob : public CallerJob {
  public:
   TypedJob(const ProblemSpec& spec, uint64_t seed)
-      : spec_(spec), p_(dt::random_problem(spec, seed)), dout_(dt::random_dout(p_, seed)),
-        schedule_(dt::uniform_schedule(spec.B, spec.T, 5, step_of(spec.T))), cache_(dt::cache_config(p_, spec.T, std::max<int64_t>(5, step_of(spec.T)))) {}
+      : spec_(spec),
+        p_(dt::random_problem(spec, seed)),
+        dout_(dt::random_dout(p_, seed)),
+        schedule_(dt::uniform_schedule(spec.B, spec.T, 5, step_of(spec.T))),
+        cache_(dt::cache_config(p_, spec.T, std::max<int64_t>(5, step_of(spec.T)))) {}
 
   std::vector<double> run(int num_threads) override {
     TypedProblem<T> tp(p_);
@@ -88,7 +91,8 @@ class TypedJob : public CallerJob {
     std::vector<double> all = dt::concatenated(dt::named_results(tp));
     dcmha::AttentionConfig cfg;
     cfg.num_threads = num_threads;
-    for (const std::vector<double>& step : dt::decode_steps(p_, cache_, schedule_, cfg, &workspace_))
+    for (const std::vector<double>& step :
+         dt::decode_steps(p_, cache_, schedule_, cfg, &workspace_))
       all.insert(all.end(), step.begin(), step.end());
     return all;
   }
@@ -102,16 +106,19 @@ class TypedJob : public CallerJob {
     const double out_err = dt::max_rel_error(want, results.data(), want.size());
     // The decode rows are the last values: one (B, H, n, Dv) block per step.
     size_t decoded = 0;
-    for (const std::vector<int64_t>& step : schedule_) decoded += size_t(p_.B * p_.H * p_.Dv * step[0]);
+    for (const std::vector<int64_t>& step : schedule_)
+      decoded += size_t(p_.B * p_.H * p_.Dv * step[0]);
     std::vector<std::vector<double>> steps;
     size_t at = results.size() - decoded;
     for (const std::vector<int64_t>& step : schedule_) {
       const size_t n = size_t(p_.B * p_.H * p_.Dv * step[0]);
-      steps.emplace_back(results.begin() + std::ptrdiff_t(at), results.begin() + std::ptrdiff_t(at + n));
+      steps.emplace_back(results.begin() + std::ptrdiff_t(at),
+                         results.begin() + std::ptrdiff_t(at + n));
       at += n;
     }
     int64_t padding_nonzero = 0;
-    const double decode_err = dt::max_rel_error(want, dt::assemble_rows(p_, schedule_, steps, padding_nonzero));
+    const double decode_err =
+        dt::max_rel_error(want, dt::assemble_rows(p_, schedule_, steps, padding_nonzero));
     return std::max(out_err, decode_err);
   }
 
@@ -131,7 +138,16 @@ double tolerance() {
 
 ProblemSpec job_spec(int64_t B, bool dcmha, int64_t T = 24) {
   ProblemSpec s;
-  s.B = B; s.H = 4; s.Hk = 2; s.T = T; s.S = T; s.D = 8; s.Dv = 8; s.G = 1; s.Rq = 2; s.Rk = 2;
+  s.B = B;
+  s.H = 4;
+  s.Hk = 2;
+  s.T = T;
+  s.S = T;
+  s.D = 8;
+  s.Dv = 8;
+  s.G = 1;
+  s.Rq = 2;
+  s.Rk = 2;
   s.causal = true;
   s.pre = s.post = dcmha ? SideSpec::all() : SideSpec::none();
   return s;
@@ -148,9 +164,11 @@ struct JobPlan {
 std::vector<JobPlan> mixed_jobs() {
   std::vector<JobPlan> jobs;
   jobs.push_back({std::make_unique<TypedJob<float>>(job_spec(2, true), 1), 2, tolerance<float>()});
-  jobs.push_back({std::make_unique<TypedJob<double>>(job_spec(1, false), 2), 2, tolerance<double>()});
+  jobs.push_back(
+      {std::make_unique<TypedJob<double>>(job_spec(1, false), 2), 2, tolerance<double>()});
   jobs.push_back({std::make_unique<TypedJob<float>>(job_spec(3, false), 3), 1, tolerance<float>()});
-  jobs.push_back({std::make_unique<TypedJob<double>>(job_spec(3, true), 4), 2, tolerance<double>()});
+  jobs.push_back(
+      {std::make_unique<TypedJob<double>>(job_spec(3, true), 4), 2, tolerance<double>()});
   return jobs;
 }
 
@@ -177,8 +195,8 @@ TEST(ConcurrentCallers, EachBitwiseAsAlone) {
       for (int r = 0; r < rounds; ++r) {
         start.arrive_and_wait();
         try {
-          differing[size_t(i)][size_t(r)] =
-              dt::first_bitwise_difference(alone[size_t(i)], jobs[size_t(i)].job->run(jobs[size_t(i)].threads));
+          differing[size_t(i)][size_t(r)] = dt::first_bitwise_difference(
+              alone[size_t(i)], jobs[size_t(i)].job->run(jobs[size_t(i)].threads));
         } catch (const std::exception& e) {
           errors[size_t(i)] = e.what();
         }
@@ -188,7 +206,8 @@ TEST(ConcurrentCallers, EachBitwiseAsAlone) {
   for (int i = 0; i < n; ++i) {
     EXPECT_EQ(errors[size_t(i)], "") << jobs[size_t(i)].job->name();
     for (int r = 0; r < rounds; ++r)
-      EXPECT_EQ(differing[size_t(i)][size_t(r)], -1) << jobs[size_t(i)].job->name() << " round " << r;
+      EXPECT_EQ(differing[size_t(i)][size_t(r)], -1)
+          << jobs[size_t(i)].job->name() << " round " << r;
   }
 }
 
@@ -214,16 +233,20 @@ int nested_team_size(int request) {
 
 TEST(NestedCallers, InsideAnOpenMpParallelRegion) {
   const int old_levels = omp_get_max_active_levels();
-  std::printf("[ measured ] omp_get_max_active_levels() = %d by default, omp_get_max_threads() = %d\n", old_levels,
-              omp_get_max_threads());
+  std::printf(
+      "[ measured ] omp_get_max_active_levels() = %d by default, omp_get_max_threads() = %d\n",
+      old_levels, omp_get_max_threads());
   for (int levels : {old_levels, 2})
     for (int cfg_threads : {0, 2}) {
-      SCOPED_TRACE("max active levels " + std::to_string(levels) + ", cfg.num_threads " + std::to_string(cfg_threads));
+      SCOPED_TRACE("max active levels " + std::to_string(levels) + ", cfg.num_threads " +
+                   std::to_string(cfg_threads));
       // One item of many query blocks (B = 1, T = 1030: planned for one thread, 128-row blocks;
       // for two, 64-row blocks and other sums), and whole items per thread (B = 2).
       std::vector<JobPlan> jobs;
-      jobs.push_back({std::make_unique<TypedJob<float>>(job_spec(1, true, 1030), 11), 0, tolerance<float>()});
-      jobs.push_back({std::make_unique<TypedJob<double>>(job_spec(2, true), 12), 0, tolerance<double>()});
+      jobs.push_back(
+          {std::make_unique<TypedJob<float>>(job_spec(1, true, 1030), 11), 0, tolerance<float>()});
+      jobs.push_back(
+          {std::make_unique<TypedJob<double>>(job_spec(2, true), 12), 0, tolerance<double>()});
       std::vector<std::vector<double>> inside(2);
       std::vector<int> team(2, 0), request(2, 0);
       std::vector<std::string> errors(2);
@@ -248,8 +271,10 @@ TEST(NestedCallers, InsideAnOpenMpParallelRegion) {
       for (size_t id = 0; id < 2; ++id) {
         SCOPED_TRACE(jobs[id].job->name());
         ASSERT_EQ(errors[id], "");
-        if (levels < 2) EXPECT_EQ(team[id], 1) << "nested parallelism off: one thread";
-        else EXPECT_EQ(team[id], request[id]);
+        if (levels < 2)
+          EXPECT_EQ(team[id], 1) << "nested parallelism off: one thread";
+        else
+          EXPECT_EQ(team[id], request[id]);
         EXPECT_LE(jobs[id].job->error_against_reference(inside[id]), jobs[id].tolerance);
         const std::vector<double> outside = jobs[id].job->run(team[id]);
         EXPECT_EQ(dt::first_bitwise_difference(outside, inside[id]), -1)
@@ -270,9 +295,12 @@ TEST(SmallerTeams, ResultsMatchTheReference) {
   // A key-split team (B = 1, few rows; decode), whole query blocks per thread (T = 1030), whole
   // items per thread (B = 3).
   std::vector<JobPlan> jobs;
-  jobs.push_back({std::make_unique<TypedJob<float>>(job_spec(1, true), 21), planned, tolerance<float>()});
-  jobs.push_back({std::make_unique<TypedJob<float>>(job_spec(1, true, 1030), 22), planned, tolerance<float>()});
-  jobs.push_back({std::make_unique<TypedJob<double>>(job_spec(3, true), 23), planned, tolerance<double>()});
+  jobs.push_back(
+      {std::make_unique<TypedJob<float>>(job_spec(1, true), 21), planned, tolerance<float>()});
+  jobs.push_back({std::make_unique<TypedJob<float>>(job_spec(1, true, 1030), 22), planned,
+                  tolerance<float>()});
+  jobs.push_back(
+      {std::make_unique<TypedJob<double>>(job_spec(3, true), 23), planned, tolerance<double>()});
   for (JobPlan& j : jobs)
     EXPECT_LE(j.job->error_against_reference(j.job->run(j.threads)), j.tolerance) << j.job->name();
 }
@@ -285,7 +313,8 @@ TEST(SmallerTeams, ResultsMatchTheReference) {
 // dcmha::Error before touching any output, instead of sharing the buffers.
 
 const char* const kBusyMessage =
-    ": workspace: expected a Workspace no other call is using (keep one per calling thread), got one in use";
+    ": workspace: expected a Workspace no other call is using (keep one per calling thread), got "
+    "one in use";
 
 /// A DCMHA forward with its expected output (computed with a Workspace of its own).
 struct ForwardCall {
@@ -304,7 +333,8 @@ struct ForwardCall {
       dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose(), ws);
     } catch (const dcmha::Error& e) {
       ran = false;
-      if (std::string(e.what()) != std::string("dcmha::forward") + kBusyMessage) problems += e.what();
+      if (std::string(e.what()) != std::string("dcmha::forward") + kBusyMessage)
+        problems += e.what();
     }
     if (dt::first_bitwise_difference(expected, tp.out_values()) != -1) problems += " out differs;";
     return ran;
@@ -313,7 +343,15 @@ struct ForwardCall {
 
 ProblemSpec busy_spec(int64_t T) {
   ProblemSpec s;
-  s.B = 1; s.H = 4; s.Hk = 4; s.T = T; s.S = T; s.D = 16; s.Dv = 16; s.G = 1; s.causal = true;
+  s.B = 1;
+  s.H = 4;
+  s.Hk = 4;
+  s.T = T;
+  s.S = T;
+  s.D = 16;
+  s.Dv = 16;
+  s.G = 1;
+  s.causal = true;
   s.pre = s.post = SideSpec::dynamic();
   return s;
 }
@@ -331,8 +369,8 @@ TEST(SharedWorkspace, CallsOnAHeldWorkspaceThrow) {
     EXPECT_FALSE(call.attempt(ws, problems));
     TypedProblem<float> tp(p);
     try {
-      dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(), tp.dv(),
-                      tp.compose(), tp.dcompose(), ws);
+      dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
+                      tp.dv(), tp.compose(), tp.dcompose(), ws);
       ADD_FAILURE() << "backward ran on a held Workspace";
     } catch (const dcmha::Error& e) {
       EXPECT_EQ(std::string(e.what()), std::string("dcmha::backward") + kBusyMessage);
@@ -374,14 +412,16 @@ TEST(SharedWorkspace, SecondConcurrentCallThrows) {
   std::thread short_thread([&] {
     while (!long_started) std::this_thread::yield();
     while (!observed_busy && std::chrono::steady_clock::now() < deadline) {
-      if (short_call.attempt(ws, short_problems)) ++short_runs;
-      else observed_busy = true;
+      if (short_call.attempt(ws, short_problems))
+        ++short_runs;
+      else
+        observed_busy = true;
     }
   });
   long_thread.join();
   short_thread.join();
-  std::printf("[ measured ] busy after %d short calls ran; long calls: %d ran, %d refused\n", short_runs,
-              long_runs, long_refused);
+  std::printf("[ measured ] busy after %d short calls ran; long calls: %d ran, %d refused\n",
+              short_runs, long_runs, long_refused);
   EXPECT_TRUE(observed_busy) << "the short calls never found the Workspace in use within 60 s";
   EXPECT_EQ(long_problems, "");
   EXPECT_EQ(short_problems, "");

@@ -46,10 +46,10 @@ struct Schedule {
   // plan[i][b]: tokens sequence b appends in step i. Non-empty: replaces prefill, step and
   // lengths (sequence b's length is the sum of its column).
   std::vector<std::vector<int64_t>> plan;
-  bool bthd = false;             // new-token tensors kept (B, n, H, D) in memory
-  bool caller_memory = false;    // the cache in a caller-provided buffer
-  bool workspace = false;        // one Workspace kept across the steps
-  bool check_cache = true;       // expect_cached_tokens after every append
+  bool bthd = false;           // new-token tensors kept (B, n, H, D) in memory
+  bool caller_memory = false;  // the cache in a caller-provided buffer
+  bool workspace = false;      // one Workspace kept across the steps
+  bool check_cache = true;     // expect_cached_tokens after every append
 };
 
 /// The counts of every step of sch: its plan, or the prompts then `step` tokens at a time until
@@ -60,12 +60,15 @@ std::vector<std::vector<int64_t>> step_counts(const Schedule& sch, int64_t B, in
   for (const std::vector<int64_t>& counts : sch.plan)
     if (*std::max_element(counts.begin(), counts.end()) > 0) plan.push_back(counts);
   if (!sch.plan.empty()) return plan;
-  const std::vector<int64_t> len = sch.lengths.empty() ? std::vector<int64_t>(size_t(B), T) : sch.lengths;
-  const std::vector<int64_t> pre = sch.prefill.empty() ? std::vector<int64_t>(size_t(B), sch.prefill_all) : sch.prefill;
+  const std::vector<int64_t> len =
+      sch.lengths.empty() ? std::vector<int64_t>(size_t(B), T) : sch.lengths;
+  const std::vector<int64_t> pre =
+      sch.prefill.empty() ? std::vector<int64_t>(size_t(B), sch.prefill_all) : sch.prefill;
   std::vector<int64_t> done(size_t(B), 0);
   for (int step = 0;; ++step) {
     std::vector<int64_t> count(static_cast<size_t>(B));
-    for (size_t b = 0; b < size_t(B); ++b) count[b] = std::min(step == 0 ? pre[b] : sch.step, len[b] - done[b]);
+    for (size_t b = 0; b < size_t(B); ++b)
+      count[b] = std::min(step == 0 ? pre[b] : sch.step, len[b] - done[b]);
     if (*std::max_element(count.begin(), count.end()) == 0) {
       if (step == 0) continue;  // no sequence has a prompt: start with the first step
       return plan;
@@ -84,7 +87,8 @@ std::vector<int64_t> sequence_lengths(const std::vector<std::vector<int64_t>>& p
 }
 
 std::string describe(const Schedule& sch) {
-  std::string r = sch.plan.empty() ? "prefill " + std::to_string(sch.prefill_all) + " step " + std::to_string(sch.step)
+  std::string r = sch.plan.empty() ? "prefill " + std::to_string(sch.prefill_all) + " step " +
+                                         std::to_string(sch.step)
                                    : std::string("plan");
   if (!sch.lengths.empty() || !sch.plan.empty()) r += " padded";
   if (sch.bthd) r += " bthd";
@@ -124,12 +128,14 @@ std::vector<T> gather(const std::vector<double>& src, std::vector<int64_t> shape
 
 /// (B, X, n, Y) buffer as a (B, X, n, Y) view, or, when it was gathered as (B, n, X, Y), as bthd.
 template <class T>
-TensorView<T, 4> act_view(std::vector<T>& buf, int64_t B, int64_t X, int64_t n, int64_t Y, bool bthd) {
+TensorView<T, 4> act_view(std::vector<T>& buf, int64_t B, int64_t X, int64_t n, int64_t Y,
+                          bool bthd) {
   return bthd ? dcmha::bthd(buf.data(), B, n, X, Y) : dcmha::bhtd(buf.data(), B, X, n, Y);
 }
 
 /// Canonical (B, X, L, Y) -> (B, L, X, Y), for the bthd runs.
-inline std::vector<double> to_btxy(const std::vector<double>& x, int64_t B, int64_t X, int64_t L, int64_t Y) {
+inline std::vector<double> to_btxy(const std::vector<double>& x, int64_t B, int64_t X, int64_t L,
+                                   int64_t Y) {
   std::vector<double> out(x.size());
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < X; ++h)
@@ -141,7 +147,12 @@ inline std::vector<double> to_btxy(const std::vector<double>& x, int64_t B, int6
 
 dcmha::DecodeCacheConfig cache_config(const ProblemSpec& s, int64_t max_step) {
   dcmha::DecodeCacheConfig c;
-  c.B = s.B; c.H = s.H; c.Hk = s.Hk; c.D = s.D; c.Dv = s.Dv; c.G = s.G;
+  c.B = s.B;
+  c.H = s.H;
+  c.Hk = s.Hk;
+  c.D = s.D;
+  c.Dv = s.Dv;
+  c.G = s.G;
   c.pre_key_wise = s.pre.key_wise;
   c.post_key_wise = s.post.key_wise;
   c.Rk = (c.pre_key_wise || c.post_key_wise) ? s.Rk : 0;
@@ -159,15 +170,16 @@ struct Mismatches {
   void check(const std::string& what, int64_t b, int64_t token, double appended, T cached) {
     if (cached == T(appended)) return;  // append copies: bit for bit, and a NaN never matches
     if (count++ == 0)
-      first = what + " of sequence " + std::to_string(b) + " token " + std::to_string(token) + ": cached " +
-              std::to_string(double(cached)) + ", appended " + std::to_string(appended);
+      first = what + " of sequence " + std::to_string(b) + " token " + std::to_string(token) +
+              ": cached " + std::to_string(double(cached)) + ", appended " +
+              std::to_string(appended);
   }
 };
 
 /// K and V of token j of sequence b in slot `slot` against the problem's (B, Hk, T, D) values.
 template <class T>
-void check_cached_kv(const dcmha::DecodeCache<T>& cache, const dcmha::reference::Problem& p, int64_t b,
-                     int64_t j, index_t slot, Mismatches& bad) {
+void check_cached_kv(const dcmha::DecodeCache<T>& cache, const dcmha::reference::Problem& p,
+                     int64_t b, int64_t j, index_t slot, Mismatches& bad) {
   const auto k = cache.k_slots(), v = cache.v_slots();
   for (int64_t h = 0; h < p.Hk; ++h) {
     for (int64_t d = 0; d < p.D; ++d)
@@ -179,8 +191,8 @@ void check_cached_kv(const dcmha::DecodeCache<T>& cache, const dcmha::reference:
 
 /// The key-wise terms (kw1, kw2, kdd, pre and post where cached) of token j of sequence b.
 template <class T>
-void check_cached_key_wise(const dcmha::DecodeCache<T>& cache, const dcmha::reference::Problem& p, int64_t b,
-                           int64_t j, index_t slot, Mismatches& bad) {
+void check_cached_key_wise(const dcmha::DecodeCache<T>& cache, const dcmha::reference::Problem& p,
+                           int64_t b, int64_t j, index_t slot, Mismatches& bad) {
   const int64_t G = p.G, M = p.H / p.G;
   for (bool post : {false, true}) {
     const dcmha::reference::ComposeSide& c = post ? p.post : p.pre;
@@ -195,7 +207,8 @@ void check_cached_key_wise(const dcmha::DecodeCache<T>& cache, const dcmha::refe
           bad.check(side + "kw1", b, j, c.kw1[at], kw1(b, slot, g, r, m));
           bad.check(side + "kw2", b, j, c.kw2[at], kw2(b, slot, g, r, m));
         }
-        bad.check(side + "kdd", b, j, c.kdd[size_t(((b * p.S + j) * G + g) * M + m)], kdd(b, slot, g, m));
+        bad.check(side + "kdd", b, j, c.kdd[size_t(((b * p.S + j) * G + g) * M + m)],
+                  kdd(b, slot, g, m));
       }
   }
 }
@@ -204,7 +217,8 @@ void check_cached_key_wise(const dcmha::DecodeCache<T>& cache, const dcmha::refe
 /// token j in slot j % capacity(). A padding token written over a kept one shows here even
 /// where no query would read it (a full sequence with count 0, an old slot of a window ring).
 template <class T>
-void expect_cached_tokens(const dcmha::DecodeCache<T>& cache, const dcmha::reference::Problem& p, int step) {
+void expect_cached_tokens(const dcmha::DecodeCache<T>& cache, const dcmha::reference::Problem& p,
+                          int step) {
   Mismatches bad;
   for (index_t b = 0; b < cache.batch(); ++b)
     for (index_t j = cache.length(b) - cache.kept(b); j < cache.length(b); ++j) {
@@ -230,8 +244,8 @@ std::vector<double> run_decode(const dcmha::reference::Problem& p, const Problem
     max_step = std::max(max_step, *std::max_element(counts.begin(), counts.end()));
   for (int64_t len : sequence_lengths(plan, B))
     if (len > T_)
-      throw std::invalid_argument("run_decode: a schedule of " + std::to_string(len) + " tokens for T = " +
-                                  std::to_string(T_));
+      throw std::invalid_argument("run_decode: a schedule of " + std::to_string(len) +
+                                  " tokens for T = " + std::to_string(T_));
 
   const dcmha::DecodeCacheConfig cc = cache_config(spec, max_step);
   std::vector<T> memory;
@@ -249,9 +263,12 @@ std::vector<double> run_decode(const dcmha::reference::Problem& p, const Problem
   const std::vector<double> q_src = sch.bthd ? to_btxy(p.q, B, H, T_, D) : p.q;
   const std::vector<double> k_src = sch.bthd ? to_btxy(p.k, B, Hk, T_, D) : p.k;
   const std::vector<double> v_src = sch.bthd ? to_btxy(p.v, B, Hk, T_, Dv) : p.v;
-  const std::vector<int64_t> q_shape = sch.bthd ? std::vector<int64_t>{B, T_, H, D} : std::vector<int64_t>{B, H, T_, D};
-  const std::vector<int64_t> k_shape = sch.bthd ? std::vector<int64_t>{B, T_, Hk, D} : std::vector<int64_t>{B, Hk, T_, D};
-  const std::vector<int64_t> v_shape = sch.bthd ? std::vector<int64_t>{B, T_, Hk, Dv} : std::vector<int64_t>{B, Hk, T_, Dv};
+  const std::vector<int64_t> q_shape =
+      sch.bthd ? std::vector<int64_t>{B, T_, H, D} : std::vector<int64_t>{B, H, T_, D};
+  const std::vector<int64_t> k_shape =
+      sch.bthd ? std::vector<int64_t>{B, T_, Hk, D} : std::vector<int64_t>{B, Hk, T_, D};
+  const std::vector<int64_t> v_shape =
+      sch.bthd ? std::vector<int64_t>{B, T_, Hk, Dv} : std::vector<int64_t>{B, Hk, T_, Dv};
   const int td = sch.bthd ? 1 : 2;
 
   std::vector<double> result(size_t(B * H * T_ * Dv), 0.0);
@@ -309,10 +326,11 @@ std::vector<double> run_decode(const dcmha::reference::Problem& p, const Problem
     if (after_append) after_append(cache, step);
     dcmha::AttentionConfig cfg;
     if (sch.workspace)
-      dcmha::decode(cfg, act_view(q, B, H, n, D, sch.bthd), cache, query_side, dcmha::bhtd(out.data(), B, H, n, Dv),
-                    workspace);
+      dcmha::decode(cfg, act_view(q, B, H, n, D, sch.bthd), cache, query_side,
+                    dcmha::bhtd(out.data(), B, H, n, Dv), workspace);
     else
-      dcmha::decode(cfg, act_view(q, B, H, n, D, sch.bthd), cache, query_side, dcmha::bhtd(out.data(), B, H, n, Dv));
+      dcmha::decode(cfg, act_view(q, B, H, n, D, sch.bthd), cache, query_side,
+                    dcmha::bhtd(out.data(), B, H, n, Dv));
 
     for (int64_t b = 0; b < B; ++b) {
       EXPECT_EQ(cache.length(b), done[size_t(b)] + count[size_t(b)]);
@@ -341,7 +359,8 @@ std::vector<int64_t> padded_lengths(const Schedule& sch, int64_t B, int64_t T) {
 
 /// The reference's causal forward over every sequence's tokens (padding rows 0): sequence b's
 /// row t sees its keys s <= t within the window, which is what decode's row for token t must be.
-std::vector<double> reference_rows(dcmha::reference::Problem p, const std::vector<int64_t>& lengths) {
+std::vector<double> reference_rows(dcmha::reference::Problem p,
+                                   const std::vector<int64_t>& lengths) {
   p.query_lengths = p.key_lengths = lengths;
   return dcmha::reference::forward(p);
 }
@@ -353,8 +372,10 @@ std::vector<double> forward_rows(dcmha::reference::Problem p, const std::vector<
   TypedProblem<T> tp(p);
   dcmha::AttentionConfig cfg = tp.config();
   if (!lengths.empty()) {
-    cfg.query_lengths = dcmha::view<1>(static_cast<const index_t*>(tp.problem().query_lengths.data()), {p.B});
-    cfg.key_lengths = dcmha::view<1>(static_cast<const index_t*>(tp.problem().key_lengths.data()), {p.B});
+    cfg.query_lengths =
+        dcmha::view<1>(static_cast<const index_t*>(tp.problem().query_lengths.data()), {p.B});
+    cfg.key_lengths =
+        dcmha::view<1>(static_cast<const index_t*>(tp.problem().key_lengths.data()), {p.B});
   }
   dcmha::forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), {}, tp.compose());
   return tp.out_values();
@@ -362,7 +383,15 @@ std::vector<double> forward_rows(dcmha::reference::Problem p, const std::vector<
 
 ProblemSpec decode_spec(int64_t window = 0) {
   ProblemSpec s;
-  s.B = 1; s.H = 4; s.Hk = 4; s.T = s.S = 23; s.D = 8; s.Dv = 6; s.G = 1; s.Rq = 2; s.Rk = 2;
+  s.B = 1;
+  s.H = 4;
+  s.Hk = 4;
+  s.T = s.S = 23;
+  s.D = 8;
+  s.Dv = 6;
+  s.G = 1;
+  s.Rq = 2;
+  s.Rk = 2;
   s.causal = true;
   s.window = window;
   s.pre = s.post = SideSpec::dynamic();
@@ -376,8 +405,10 @@ void check_decode(const ProblemSpec& spec, const Schedule& sch, uint64_t seed = 
   const dcmha::reference::Problem p = dcmha::test::random_problem(spec, seed);
   const std::vector<int64_t> lengths = padded_lengths(sch, p.B, p.T);
   const std::vector<double> got = run_decode<T>(p, spec, sch);
-  EXPECT_LE(dcmha::test::max_rel_error(reference_rows(p, lengths), got), tolerance<T>()) << "against the reference";
-  EXPECT_LE(dcmha::test::max_rel_error(forward_rows<T>(p, lengths), got), tolerance<T>()) << "against forward";
+  EXPECT_LE(dcmha::test::max_rel_error(reference_rows(p, lengths), got), tolerance<T>())
+      << "against the reference";
+  EXPECT_LE(dcmha::test::max_rel_error(forward_rows<T>(p, lengths), got), tolerance<T>())
+      << "against forward";
 }
 
 /// Token by token and three at a time, each after a 7-token prefill (a 1-token one for window
@@ -514,13 +545,13 @@ std::vector<ProblemSpec> switch_groups(int64_t window) {
   };
   add([](ProblemSpec& s) { s.pre = s.post = SideSpec::none(); });              // MHA
   add([](ProblemSpec& s) { s.pre = s.post = SideSpec{false, true, false}; });  // query-wise only
-  add([](ProblemSpec& s) {                                                      // key-wise post only
+  add([](ProblemSpec& s) {                                                     // key-wise post only
     s.pre = SideSpec::none();
     s.post = SideSpec{false, false, true};
   });
   add([](ProblemSpec& s) { s.post = SideSpec{false, true, false}; });  // key-wise pre only
-  add([](ProblemSpec& s) { s.pre = s.post = SideSpec::all(); });        // static W
-  add([](ProblemSpec& s) {                                              // two compose groups
+  add([](ProblemSpec& s) { s.pre = s.post = SideSpec::all(); });       // static W
+  add([](ProblemSpec& s) {                                             // two compose groups
     s.H = 6;
     s.G = 2;
     s.Hk = 3;
@@ -535,7 +566,8 @@ std::vector<ProblemSpec> switch_groups(int64_t window) {
 // fills exactly and sequence 0 never reaches.
 TYPED_TEST(Decode, PaddedBatchLongestNotFirst) {
   for (int64_t window : {0, 4})
-    for (const ProblemSpec& s : switch_groups(window)) check_decode<TypeParam>(s, longest_in_the_middle());
+    for (const ProblemSpec& s : switch_groups(window))
+      check_decode<TypeParam>(s, longest_in_the_middle());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -579,14 +611,16 @@ TYPED_TEST(Decode, SequenceFillsCacheWhileOthersAppend) {
     Schedule sch = filling_schedule();
     sch.caller_memory = caller_memory;
     bool filled_beside_more = false, full_beside_others = false;
-    const std::vector<double> got = run_decode<TypeParam>(p, s, sch, [&](dcmha::DecodeCache<TypeParam>& c, int) {
-      for (index_t b = 0; b < c.batch(); ++b) {
-        if (c.length(b) != c.capacity()) continue;
-        filled_beside_more |= c.last_count(b) > 0 && c.last_count(b) < c.last_step();
-        full_beside_others |= c.last_count(b) == 0;
-      }
-    });
-    EXPECT_TRUE(filled_beside_more && full_beside_others) << "the schedule no longer fills the cache as intended";
+    const std::vector<double> got =
+        run_decode<TypeParam>(p, s, sch, [&](dcmha::DecodeCache<TypeParam>& c, int) {
+          for (index_t b = 0; b < c.batch(); ++b) {
+            if (c.length(b) != c.capacity()) continue;
+            filled_beside_more |= c.last_count(b) > 0 && c.last_count(b) < c.last_step();
+            full_beside_others |= c.last_count(b) == 0;
+          }
+        });
+    EXPECT_TRUE(filled_beside_more && full_beside_others)
+        << "the schedule no longer fills the cache as intended";
     const std::vector<double> expected = reference_rows(p, padded_lengths(sch, s.B, s.T));
     EXPECT_LE(dcmha::test::max_rel_error(expected, got), tolerance<TypeParam>());
   }
@@ -616,7 +650,8 @@ struct CacheState {
 
   explicit CacheState(const dcmha::DecodeCache<T>& c) {
     auto add = [&](auto v) {
-      if (!v.empty()) dcmha::test::detail::for_each_logical(v, [&](index_t, T& x) { slots.push_back(x); });
+      if (!v.empty())
+        dcmha::test::detail::for_each_logical(v, [&](index_t, T& x) { slots.push_back(x); });
     };
     add(c.k_slots());
     add(c.v_slots());
@@ -643,7 +678,8 @@ void expect_overflow_rejected(dcmha::DecodeCache<T>& cache) {
   const dcmha::DecodeCacheConfig& c = cache.config();
   const index_t B = c.B, M = c.H / c.G;
   const std::vector<T> k(size_t(B * c.Hk * c.D), T(1000)), v(size_t(B * c.Hk * c.Dv), T(1000));
-  const std::vector<T> lowrank(size_t(B * c.G * c.Rk * M), T(1000)), gate(size_t(B * c.G * M), T(1000));
+  const std::vector<T> lowrank(size_t(B * c.G * c.Rk * M), T(1000)),
+      gate(size_t(B * c.G * M), T(1000));
   dcmha::ComposeWeights<T> key_side;
   for (bool post : {false, true}) {
     if (!(post ? c.post_key_wise : c.pre_key_wise)) continue;
@@ -655,10 +691,13 @@ void expect_overflow_rejected(dcmha::DecodeCache<T>& cache) {
   const std::vector<index_t> ones(size_t(B), 1);
   const CacheState<T> before(cache);
   // Rejected for the capacity, not for a shape this helper got wrong.
-  expect_rejected("dcmha::DecodeCache::append", [&] {
-    cache.append(dcmha::view<4>(k.data(), {B, c.Hk, 1, c.D}), dcmha::view<4>(v.data(), {B, c.Hk, 1, c.Dv}), key_side,
-                 dcmha::view<1>(ones.data(), {B}));
-  }, {"config.capacity"});
+  expect_rejected("dcmha::DecodeCache::append",
+                  [&] {
+                    cache.append(dcmha::view<4>(k.data(), {B, c.Hk, 1, c.D}),
+                                 dcmha::view<4>(v.data(), {B, c.Hk, 1, c.Dv}), key_side,
+                                 dcmha::view<1>(ones.data(), {B}));
+                  },
+                  {"config.capacity"});
   EXPECT_TRUE(CacheState<T>(cache) == before) << "a rejected append changed the cache";
 }
 
@@ -670,11 +709,12 @@ TYPED_TEST(Decode, RejectedAppendChangesNothing) {
   const Schedule sch = filling_schedule();
   int tries = 0;
   const std::vector<double> plain = run_decode<TypeParam>(p, s, sch);
-  const std::vector<double> tried = run_decode<TypeParam>(p, s, sch, [&](dcmha::DecodeCache<TypeParam>& c, int) {
-    if (!some_sequence_full(c)) return;
-    expect_overflow_rejected(c);
-    ++tries;
-  });
+  const std::vector<double> tried =
+      run_decode<TypeParam>(p, s, sch, [&](dcmha::DecodeCache<TypeParam>& c, int) {
+        if (!some_sequence_full(c)) return;
+        expect_overflow_rejected(c);
+        ++tries;
+      });
   EXPECT_GT(tries, 0);
   EXPECT_TRUE(plain == tried) << "rows differ after a rejected append";
   const std::vector<double> expected = reference_rows(p, padded_lengths(sch, s.B, s.T));
@@ -716,14 +756,16 @@ TYPED_TEST(Decode, LongerSequences) {
 // The cache state is what decode uses
 
 /// Corrupts the cache right after the prefill and returns the error the decode rows then have.
-double corrupted_error(const ProblemSpec& spec, const std::function<void(dcmha::DecodeCache<double>&)>& corrupt) {
+double corrupted_error(const ProblemSpec& spec,
+                       const std::function<void(dcmha::DecodeCache<double>&)>& corrupt) {
   const dcmha::reference::Problem p = dcmha::test::random_problem(spec, 11);
   Schedule sch;
   sch.check_cache = false;  // the corrupted entry is the point
   const std::vector<double> expected = reference_rows(p, {});
-  const std::vector<double> got = run_decode<double>(p, spec, sch, [&](dcmha::DecodeCache<double>& c, int step) {
-    if (step == 0) corrupt(c);
-  });
+  const std::vector<double> got =
+      run_decode<double>(p, spec, sch, [&](dcmha::DecodeCache<double>& c, int step) {
+        if (step == 0) corrupt(c);
+      });
   return dcmha::test::max_rel_error(expected, got);
 }
 
@@ -732,9 +774,8 @@ TEST(DecodeCacheState, ZeroingOneKeyWiseEntryChangesTheResult) {
     SCOPED_TRACE("window " + std::to_string(window));
     const ProblemSpec s = decode_spec(window);
     // Token 6 (the last of the prompt) is seen by every later query, also under the window.
-    const double err = corrupted_error(s, [](dcmha::DecodeCache<double>& c) {
-      c.kw1_slots(false)(0, 6, 0, 1, 2) = 0.0;
-    });
+    const double err = corrupted_error(
+        s, [](dcmha::DecodeCache<double>& c) { c.kw1_slots(false)(0, 6, 0, 1, 2) = 0.0; });
     EXPECT_GT(err, 1e-4);
     EXPECT_LE(corrupted_error(s, [](dcmha::DecodeCache<double>&) {}), 1e-9);
   }
@@ -752,7 +793,8 @@ TEST(DecodeCacheState, DroppingKddChangesTheResult) {
 
 TEST(DecodeCacheState, CorruptingCachedKeysChangesTheResult) {
   const ProblemSpec s = decode_spec(5);
-  const double err = corrupted_error(s, [](dcmha::DecodeCache<double>& c) { c.k_slots()(0, 0, 6, 0) += 1.0; });
+  const double err =
+      corrupted_error(s, [](dcmha::DecodeCache<double>& c) { c.k_slots()(0, 0, 6, 0) += 1.0; });
   EXPECT_GT(err, 1e-3);
 }
 
@@ -789,7 +831,13 @@ TEST(DecodeCacheState, RepeatedDecodeAndReset) {
 // Memory accounting the library documents: per token, key-wise state is 2 (2R + 1) M values.
 TEST(DecodeCacheState, RequiredElements) {
   dcmha::DecodeCacheConfig c;
-  c.B = 2; c.H = 32; c.Hk = 32; c.D = 128; c.Dv = 128; c.G = 1; c.Rk = 2;
+  c.B = 2;
+  c.H = 32;
+  c.Hk = 32;
+  c.D = 128;
+  c.Dv = 128;
+  c.G = 1;
+  c.Rk = 2;
   c.pre_key_wise = c.post_key_wise = true;
   c.capacity = 100;
   const index_t kv = 2 * 32 * 100 * 256, kw = 2 * 100 * 2 * (2 * 2 + 1) * 32;
@@ -813,7 +861,13 @@ struct Misuse {
   std::vector<std::vector<float>> bufs;
 
   Misuse() {
-    cc.B = B; cc.H = H; cc.Hk = Hk; cc.D = D; cc.Dv = Dv; cc.G = G; cc.Rk = R;
+    cc.B = B;
+    cc.H = H;
+    cc.Hk = Hk;
+    cc.D = D;
+    cc.Dv = Dv;
+    cc.G = G;
+    cc.Rk = R;
     cc.pre_key_wise = cc.post_key_wise = true;
     cc.capacity = 10;
     cc.max_step = 4;
@@ -859,16 +913,19 @@ TEST(DecodeMisuse, BadConfig) {
   auto rejected = [](auto edit, std::initializer_list<std::string> needles) {
     Misuse m;
     edit(m.cc);
-    expect_rejected(kCtor, [&] { dcmha::DecodeCache<float> c(m.cc); }, needles);
-    expect_rejected(kCtor + "::required_elements",
-                    [&] { dcmha::DecodeCache<float>::required_elements(m.cc); }, needles);
+    expect_rejected(
+        kCtor, [&] { dcmha::DecodeCache<float> c(m.cc); }, needles);
+    expect_rejected(
+        kCtor + "::required_elements", [&] { dcmha::DecodeCache<float>::required_elements(m.cc); },
+        needles);
   };
   rejected([](auto& c) { c.Hk = 3; }, {"config.Hk", "divisor of H = 4", "got 3"});
   rejected([](auto& c) { c.G = 3; }, {"config.G", "divisor of H = 4", "got 3"});
   rejected([](auto& c) { c.D = 0; }, {"config.D", ">= 1", "got 0"});
   rejected([](auto& c) { c.max_step = 0; }, {"config.max_step", ">= 1", "got 0"});
   rejected([](auto& c) { c.Rk = 0; }, {"config.Rk", ">= 1", "got 0"});
-  rejected([](auto& c) { c.pre_key_wise = c.post_key_wise = false; }, {"config.Rk", "expected 0", "got 2"});
+  rejected([](auto& c) { c.pre_key_wise = c.post_key_wise = false; },
+           {"config.Rk", "expected 0", "got 2"});
   rejected([](auto& c) { c.capacity = 0; }, {"config.capacity", ">= 1", "got 0"});
   rejected([](auto& c) { c.window = 4; }, {"config.capacity", "expected 0", "got 10"});
   rejected([](auto& c) { c.window = -1; }, {"config.window", ">= 0", "got -1"});
@@ -879,7 +936,8 @@ TEST(DecodeMisuse, CallerBuffer) {
   Misuse m;
   const index_t need = dcmha::DecodeCache<float>::required_elements(m.cc);
   std::vector<float> buf(static_cast<size_t>(need));
-  expect_rejected(kCtor, [&] { dcmha::DecodeCache<float> c(m.cc, nullptr, need); }, {"buffer", "nullptr"});
+  expect_rejected(kCtor, [&] { dcmha::DecodeCache<float> c(m.cc, nullptr, need); },
+                  {"buffer", "nullptr"});
   expect_rejected(kCtor, [&] { dcmha::DecodeCache<float> c(m.cc, buf.data(), need - 1); },
                   {"buffer_elements", std::to_string(need), std::to_string(need - 1)});
   dcmha::DecodeCache<float> ok(m.cc, buf.data(), need);
@@ -901,10 +959,14 @@ TEST(DecodeMisuse, AppendStepAndCapacity) {
   // With counts, only the sequences that really overflow do.
   std::vector<index_t> counts{2, 3};
   expect_rejected(kAppend,
-                  [&] { c.append(m.k(3), m.v(3), m.key_side(3), dcmha::view<1>(static_cast<const index_t*>(counts.data()), {2})); },
+                  [&] {
+                    c.append(m.k(3), m.v(3), m.key_side(3),
+                             dcmha::view<1>(static_cast<const index_t*>(counts.data()), {2}));
+                  },
                   {"sequence 1", "8 cached + 3 appended"});
   counts = {2, 1};
-  c.append(m.k(3), m.v(3), m.key_side(3), dcmha::view<1>(static_cast<const index_t*>(counts.data()), {2}));
+  c.append(m.k(3), m.v(3), m.key_side(3),
+           dcmha::view<1>(static_cast<const index_t*>(counts.data()), {2}));
   EXPECT_EQ(c.length(0), 10);
   EXPECT_EQ(c.length(1), 9);
   expect_rejected(kCtor, [&] { c.length(2); }, {"b", "[0, 2)", "got 2"});
@@ -924,15 +986,27 @@ TEST(DecodeMisuse, AppendShapes) {
   dcmha::DecodeCache<float> c(m.cc);
   const index_t B = m.B, Hk = m.Hk, D = m.D, Dv = m.Dv, G = m.G, M = m.M, R = m.R;
   expect_rejected(kAppend, [&] { c.append({}, m.v(2), m.key_side(2)); }, {"k_new", "empty view"});
-  expect_rejected(kAppend, [&] { c.append(m.alloc<4>({B, Hk, 2, D + 1}), m.v(2), m.key_side(2)); },
+  expect_rejected(kAppend,
+                  [&] {
+                    c.append(m.alloc<4>({B, Hk, 2, D + 1}), m.v(2), m.key_side(2));
+                  },
                   {"k_new.shape[3] (D)", "expected 8", "config.D", "got 9"});
-  expect_rejected(kAppend, [&] { c.append(m.alloc<4>({B, 1, 2, D}), m.v(2), m.key_side(2)); },
+  expect_rejected(kAppend,
+                  [&] {
+                    c.append(m.alloc<4>({B, 1, 2, D}), m.v(2), m.key_side(2));
+                  },
                   {"k_new.shape[1] (Hk)", "expected 2", "config.Hk", "got 1"});
-  expect_rejected(kAppend, [&] { c.append(m.alloc<4>({B + 1, Hk, 2, D}), m.v(2), m.key_side(2)); },
+  expect_rejected(kAppend,
+                  [&] {
+                    c.append(m.alloc<4>({B + 1, Hk, 2, D}), m.v(2), m.key_side(2));
+                  },
                   {"k_new.shape[0] (B)", "config.B", "got 3"});
   expect_rejected(kAppend, [&] { c.append(m.k(2), m.v(3), m.key_side(2)); },
                   {"v_new.shape[2] (n)", "expected 2", "got 3"});
-  expect_rejected(kAppend, [&] { c.append(m.k(2), m.alloc<4>({B, Hk, 2, Dv + 2}), m.key_side(2)); },
+  expect_rejected(kAppend,
+                  [&] {
+                    c.append(m.k(2), m.alloc<4>({B, Hk, 2, Dv + 2}), m.key_side(2));
+                  },
                   {"v_new.shape[3]", "config.Dv", "got 8"});
   auto ks = m.key_side(2);
   ks.pre.kw1 = m.alloc<5>({B, 2, G, R + 1, M});
@@ -948,10 +1022,16 @@ TEST(DecodeMisuse, AppendShapes) {
                   {"key_side.post.kw2.shape[2] (G)", "config.G", "got 1"});
   std::vector<index_t> counts{1, 3};
   expect_rejected(kAppend,
-                  [&] { c.append(m.k(2), m.v(2), m.key_side(2), dcmha::view<1>(static_cast<const index_t*>(counts.data()), {2})); },
+                  [&] {
+                    c.append(m.k(2), m.v(2), m.key_side(2),
+                             dcmha::view<1>(static_cast<const index_t*>(counts.data()), {2}));
+                  },
                   {"counts[1]", "[0, 2]", "got 3"});
   expect_rejected(kAppend,
-                  [&] { c.append(m.k(2), m.v(2), m.key_side(2), dcmha::view<1>(static_cast<const index_t*>(counts.data()), {1})); },
+                  [&] {
+                    c.append(m.k(2), m.v(2), m.key_side(2),
+                             dcmha::view<1>(static_cast<const index_t*>(counts.data()), {1}));
+                  },
                   {"counts.shape[0] (B)", "expected 2", "got 1"});
   EXPECT_EQ(c.length(0), 0);
   EXPECT_EQ(c.last_step(), 0);
@@ -966,13 +1046,16 @@ TEST(DecodeMisuse, AppendSwitches) {
                   {"key_side.post.key_wise", "expected on", "config.post_key_wise", "got off"});
   ks = m.key_side(2);
   ks.pre.kdd = {};
-  expect_rejected(kAppend, [&] { c.append(m.k(2), m.v(2), ks); }, {"key_side.pre.kdd", "empty view"});
+  expect_rejected(kAppend, [&] { c.append(m.k(2), m.v(2), ks); },
+                  {"key_side.pre.kdd", "empty view"});
   ks = m.key_side(2);
   ks.pre.query_wise = true;
-  expect_rejected(kAppend, [&] { c.append(m.k(2), m.v(2), ks); }, {"key_side.pre.query_wise", "query_side"});
+  expect_rejected(kAppend, [&] { c.append(m.k(2), m.v(2), ks); },
+                  {"key_side.pre.query_wise", "query_side"});
   ks = m.key_side(2);
   ks.post.static_w = true;
-  expect_rejected(kAppend, [&] { c.append(m.k(2), m.v(2), ks); }, {"key_side.post.static_w", "query_side"});
+  expect_rejected(kAppend, [&] { c.append(m.k(2), m.v(2), ks); },
+                  {"key_side.post.static_w", "query_side"});
 
   Misuse q;
   q.cc.pre_key_wise = false;
@@ -995,9 +1078,15 @@ TEST(DecodeMisuse, DecodeOrderAndShapes) {
   dcmha::decode(cfg, m.q(3), c, m.query_side(3), m.out(3));  // the matching call is fine
   expect_rejected(kDecode, [&] { dcmha::decode(cfg, m.q(1), c, m.query_side(1), m.out(1)); },
                   {"q_new.shape[2] (n)", "expected 3", "last DecodeCache::append", "got 1"});
-  expect_rejected(kDecode, [&] { dcmha::decode(cfg, m.alloc<4>({m.B, 8, 3, m.D}), c, m.query_side(3), m.out(3)); },
+  expect_rejected(kDecode,
+                  [&] {
+                    dcmha::decode(cfg, m.alloc<4>({m.B, 8, 3, m.D}), c, m.query_side(3), m.out(3));
+                  },
                   {"q_new.shape[1] (H)", "expected 4", "cache.config().H", "got 8"});
-  expect_rejected(kDecode, [&] { dcmha::decode(cfg, m.alloc<4>({m.B, m.H, 3, 4}), c, m.query_side(3), m.out(3)); },
+  expect_rejected(kDecode,
+                  [&] {
+                    dcmha::decode(cfg, m.alloc<4>({m.B, m.H, 3, 4}), c, m.query_side(3), m.out(3));
+                  },
                   {"q_new.shape[3] (D)", "expected 8", "got 4"});
   expect_rejected(kDecode, [&] { dcmha::decode(cfg, m.q(3), c, m.query_side(3), m.out(2)); },
                   {"out.shape[2] (T)", "expected 3", "got 2"});
@@ -1048,7 +1137,10 @@ TEST(DecodeMisuse, DecodeSwitchesAndConfig) {
   // The output may not live inside the cache.
   auto kslots = c.k_slots();
   expect_rejected(kDecode,
-                  [&] { dcmha::decode({}, m.q(2), c, m.query_side(2), dcmha::view<4>(kslots.data, {m.B, m.H, 2, m.Dv})); },
+                  [&] {
+                    dcmha::decode({}, m.q(2), c, m.query_side(2),
+                                  dcmha::view<4>(kslots.data, {m.B, m.H, 2, m.Dv}));
+                  },
                   {"out"});
 }
 

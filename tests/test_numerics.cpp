@@ -37,7 +37,9 @@ constexpr double tolerance() {
   return std::is_same_v<T, double> ? 1e-9 : std::is_same_v<T, float> ? 2e-4 : 4e-3;
 }
 
-double round_to_bf16(double x) { return double(static_cast<float>(dcmha::bf16(static_cast<float>(x)))); }
+double round_to_bf16(double x) {
+  return double(static_cast<float>(dcmha::bf16(static_cast<float>(x))));
+}
 
 void round_to_bf16(std::vector<double>& x) {
   for (double& e : x) e = round_to_bf16(e);
@@ -61,7 +63,8 @@ std::vector<NamedResult> run_all(const Problem& p, const std::vector<double>& do
   tp.set_dout(dout);
   dcmha::AttentionConfig cfg = tp.config();
   const Problem& kept = tp.problem();
-  if (!kept.query_lengths.empty()) cfg.query_lengths = dcmha::view<1>(kept.query_lengths.data(), {p.B});
+  if (!kept.query_lengths.empty())
+    cfg.query_lengths = dcmha::view<1>(kept.query_lengths.data(), {p.B});
   if (!kept.key_lengths.empty()) cfg.key_lengths = dcmha::view<1>(kept.key_lengths.data(), {p.B});
   dt::forward_backward(tp, cfg);
   return dt::named_results(tp);
@@ -107,13 +110,14 @@ struct Worst {
 
 /// Every result of got against want (same problem): out within out_tol, lse within lse_tol,
 /// every gradient within grad_tol.
-void expect_close(const std::vector<NamedResult>& want, const std::vector<NamedResult>& got, double out_tol,
-                  double lse_tol, double grad_tol, Worst* worst = nullptr) {
+void expect_close(const std::vector<NamedResult>& want, const std::vector<NamedResult>& got,
+                  double out_tol, double lse_tol, double grad_tol, Worst* worst = nullptr) {
   ASSERT_EQ(want.size(), got.size());
   for (size_t i = 0; i < want.size(); ++i) {
     ASSERT_EQ(want[i].name, got[i].name);
     const bool is_out = want[i].name == "out", is_lse = want[i].name == "lse";
-    const double err = is_lse ? lse_error(want[i].values, got[i].values) : dt::max_rel_error(want[i].values, got[i].values);
+    const double err = is_lse ? lse_error(want[i].values, got[i].values)
+                              : dt::max_rel_error(want[i].values, got[i].values);
     EXPECT_LE(err, is_out ? out_tol : is_lse ? lse_tol : grad_tol) << want[i].name;
     if (worst) {
       double& w = is_out ? worst->out : is_lse ? worst->lse : worst->grad;
@@ -143,7 +147,16 @@ double sixteenths(dt::Rng& rng) { return std::floor(rng.uniform() * 5) / 16 - 0.
 
 Problem large_score_problem(LargeScores kind, bool composed, bool causal, uint64_t seed) {
   ProblemSpec s;
-  s.B = 2; s.H = 4; s.Hk = 2; s.T = 19; s.S = 19; s.D = 8; s.Dv = 8; s.G = 1; s.Rq = 2; s.Rk = 2;
+  s.B = 2;
+  s.H = 4;
+  s.Hk = 2;
+  s.T = 19;
+  s.S = 19;
+  s.D = 8;
+  s.Dv = 8;
+  s.G = 1;
+  s.Rq = 2;
+  s.Rk = 2;
   s.causal = causal;
   s.pre = s.post = composed ? SideSpec::all() : SideSpec::none();
   Problem p = dt::random_problem(s, seed);
@@ -156,7 +169,8 @@ Problem large_score_problem(LargeScores kind, bool composed, bool causal, uint64
   for (size_t row = 0; row < p.q.size() / size_t(s.D); ++row)
     for (size_t d = 0; d < size_t(s.D); ++d)
       p.q[row * size_t(s.D) + d] =
-          offset ? (d == 0 ? (rng.uniform() < 0.5 ? -100.0 : 100.0) : small_int(-1, 1)) : small_int(-2, 2);
+          offset ? (d == 0 ? (rng.uniform() < 0.5 ? -100.0 : 100.0) : small_int(-1, 1))
+                 : small_int(-2, 2);
   for (size_t row = 0; row < p.k.size() / size_t(s.D); ++row)
     for (size_t d = 0; d < size_t(s.D); ++d)
       p.k[row * size_t(s.D) + d] = offset ? (d == 0 ? 100.0 : small_int(-1, 1)) : small_int(-2, 2);
@@ -192,13 +206,16 @@ double large_score_gradient_slack(double max_abs_score) {
 }
 
 template <class T>
-void check_large_scores(const Problem& p, const std::vector<double>& dout, const std::vector<NamedResult>& exact,
-                        int threads, Worst& worst) {
-  SCOPED_TRACE(std::string(std::is_same_v<T, float> ? "float" : std::is_same_v<T, double> ? "double" : "bf16") +
+void check_large_scores(const Problem& p, const std::vector<double>& dout,
+                        const std::vector<NamedResult>& exact, int threads, Worst& worst) {
+  SCOPED_TRACE(std::string(std::is_same_v<T, float>    ? "float"
+                           : std::is_same_v<T, double> ? "double"
+                                                       : "bf16") +
                " threads=" + std::to_string(threads));
   const std::vector<NamedResult> got = run_all<T>(p, dout, threads);
   for (const NamedResult& r : got) EXPECT_TRUE(dt::all_finite(r.values)) << r.name;
-  const double max_score = max_abs_finite(exact[1].values);  // lse: the row's largest score + log(sum)
+  const double max_score =
+      max_abs_finite(exact[1].values);  // lse: the row's largest score + log(sum)
   expect_close(exact, got, tolerance<T>(), lse_tolerance<T>(),
                tolerance<T>() + large_score_gradient_slack<T>(max_score), &worst);
 }
@@ -254,7 +271,16 @@ int64_t one_hot_target(int64_t b, int64_t h, int64_t t) { return (5 * t + 3 * h 
 
 Problem one_hot_problem(bool composed, uint64_t seed) {
   ProblemSpec s;
-  s.B = 2; s.H = 4; s.Hk = 4; s.T = 12; s.S = 12; s.D = 16; s.Dv = 8; s.G = 1; s.Rq = 2; s.Rk = 2;
+  s.B = 2;
+  s.H = 4;
+  s.Hk = 4;
+  s.T = 12;
+  s.S = 12;
+  s.D = 16;
+  s.Dv = 8;
+  s.G = 1;
+  s.Rq = 2;
+  s.Rk = 2;
   s.causal = true;  // target <= t: visible
   s.pre = s.post = composed ? SideSpec::all() : SideSpec::none();
   Problem p = dt::random_problem(s, seed);
@@ -284,7 +310,8 @@ TYPED_TEST(OneHotRows, ExactResultsAndFiniteGradients) {
   using T = TypeParam;
   for (bool composed : {false, true})
     for (int threads : {1, 2}) {
-      SCOPED_TRACE(std::string(composed ? "composed" : "MHA") + " threads=" + std::to_string(threads));
+      SCOPED_TRACE(std::string(composed ? "composed" : "MHA") +
+                   " threads=" + std::to_string(threads));
       const Problem p = one_hot_problem(composed, 5);
       std::vector<double> dout = dt::random_dout(p, 5);
       round_to_bf16(dout);
@@ -303,7 +330,8 @@ TYPED_TEST(OneHotRows, ExactResultsAndFiniteGradients) {
           for (int64_t t = 0; t < p.T; ++t)
             for (int64_t e = 0; e < p.Dv; ++e)
               differing += out[size_t(ref::detail::at_bhtx(p.H, p.T, p.Dv, b, h, t, e))] !=
-                           p.v[size_t(ref::detail::at_bhtx(p.Hk, p.S, p.Dv, b, h, one_hot_target(b, h, t), e))];
+                           p.v[size_t(ref::detail::at_bhtx(p.Hk, p.S, p.Dv, b, h,
+                                                           one_hot_target(b, h, t), e))];
       EXPECT_EQ(differing, 0);
       EXPECT_EQ(want[1].values[0], 1e4);
     }
@@ -319,21 +347,31 @@ TYPED_TEST(OneHotRows, ExactResultsAndFiniteGradients) {
 
 /// Writes `value` into sequence b's `tensor` at a position its rows depend on: key 0 (seen by
 /// every causal row), the last query row, or their compose terms.
-void poison(Problem& p, std::vector<double>& dout, const std::string& tensor, int64_t b, double value) {
+void poison(Problem& p, std::vector<double>& dout, const std::string& tensor, int64_t b,
+            double value) {
   using ref::detail::at_bhtx;
   using ref::detail::at_gate;
   using ref::detail::at_lowrank;
   const int64_t last = p.T - 1;
   auto at = [&](std::vector<double>& x, int64_t i) { x.at(size_t(i)) = value; };
-  if (tensor == "q") at(p.q, at_bhtx(p.H, p.T, p.D, b, 1, last, 0));
-  else if (tensor == "k") at(p.k, at_bhtx(p.Hk, p.S, p.D, b, 0, 0, 1));
-  else if (tensor == "v") at(p.v, at_bhtx(p.Hk, p.S, p.Dv, b, p.Hk - 1, 0, 2));
-  else if (tensor == "dout") at(dout, at_bhtx(p.H, p.T, p.Dv, b, 2, last, 3));
-  else if (tensor == "pre.qw1") at(p.pre.qw1, at_lowrank(p, p.T, p.pre.Rq, b, last, 0, 0, 1));
-  else if (tensor == "pre.kdd") at(p.pre.kdd, at_gate(p, p.S, b, 0, 0, 0));
-  else if (tensor == "post.qdd") at(p.post.qdd, at_gate(p, p.T, b, last, 0, 2));
-  else if (tensor == "post.kw2") at(p.post.kw2, at_lowrank(p, p.S, p.post.Rk, b, 0, 0, 1, 3));
-  else FAIL() << "unknown tensor " << tensor;
+  if (tensor == "q")
+    at(p.q, at_bhtx(p.H, p.T, p.D, b, 1, last, 0));
+  else if (tensor == "k")
+    at(p.k, at_bhtx(p.Hk, p.S, p.D, b, 0, 0, 1));
+  else if (tensor == "v")
+    at(p.v, at_bhtx(p.Hk, p.S, p.Dv, b, p.Hk - 1, 0, 2));
+  else if (tensor == "dout")
+    at(dout, at_bhtx(p.H, p.T, p.Dv, b, 2, last, 3));
+  else if (tensor == "pre.qw1")
+    at(p.pre.qw1, at_lowrank(p, p.T, p.pre.Rq, b, last, 0, 0, 1));
+  else if (tensor == "pre.kdd")
+    at(p.pre.kdd, at_gate(p, p.S, b, 0, 0, 0));
+  else if (tensor == "post.qdd")
+    at(p.post.qdd, at_gate(p, p.T, b, last, 0, 2));
+  else if (tensor == "post.kw2")
+    at(p.post.kw2, at_lowrank(p, p.S, p.post.Rk, b, 0, 0, 1, 3));
+  else
+    FAIL() << "unknown tensor " << tensor;
 }
 
 /// B sequences of 9 tokens, causal, every compose term on (static W too), G = 1: B items, so
@@ -341,7 +379,16 @@ void poison(Problem& p, std::vector<double>& dout, const std::string& tensor, in
 /// items divide among the threads, the key-split team otherwise).
 ProblemSpec isolation_spec(int64_t B) {
   ProblemSpec s;
-  s.B = B; s.H = 4; s.Hk = 2; s.T = 9; s.S = 9; s.D = 8; s.Dv = 8; s.G = 1; s.Rq = 2; s.Rk = 2;
+  s.B = B;
+  s.H = 4;
+  s.Hk = 2;
+  s.T = 9;
+  s.S = 9;
+  s.D = 8;
+  s.Dv = 8;
+  s.G = 1;
+  s.Rq = 2;
+  s.Rk = 2;
   s.causal = true;
   return s;
 }
@@ -354,7 +401,8 @@ using FloatAndDouble = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(PoisonedSequence, FloatAndDouble);
 
 TYPED_TEST(PoisonedSequence, OtherSequencesForwardAndBackwardUnchanged) {
-  const std::string tensors[] = {"q", "k", "v", "dout", "pre.qw1", "pre.kdd", "post.qdd", "post.kw2"};
+  const std::string tensors[] = {"q",       "k",       "v",        "dout",
+                                 "pre.qw1", "pre.kdd", "post.qdd", "post.kw2"};
   int cases = 0;
   for (int64_t B : {2, 3}) {
     const Problem clean_p = dt::random_problem(isolation_spec(B), 40 + B);
@@ -365,8 +413,8 @@ TYPED_TEST(PoisonedSequence, OtherSequencesForwardAndBackwardUnchanged) {
       for (const std::string& tensor : tensors) {
         const int64_t bad = cases % B;
         const double value = kPoisons[cases++ % 3];
-        SCOPED_TRACE("B=" + std::to_string(B) + " threads=" + std::to_string(threads) + " " + tensor + "[" +
-                     std::to_string(bad) + "] = " + std::to_string(value));
+        SCOPED_TRACE("B=" + std::to_string(B) + " threads=" + std::to_string(threads) + " " +
+                     tensor + "[" + std::to_string(bad) + "] = " + std::to_string(value));
         Problem p = clean_p;
         std::vector<double> dout = clean_dout;
         poison(p, dout, tensor, bad, value);
@@ -379,7 +427,8 @@ TYPED_TEST(PoisonedSequence, OtherSequencesForwardAndBackwardUnchanged) {
             if (b == bad)
               poison_shows = poison_shows || !dt::all_finite(part);
             else
-              EXPECT_EQ(dt::first_bitwise_difference(dt::sequence_part(clean[i].values, B, b), part), -1)
+              EXPECT_EQ(
+                  dt::first_bitwise_difference(dt::sequence_part(clean[i].values, B, b), part), -1)
                   << got[i].name << " of sequence " << b;
           }
         }
@@ -402,23 +451,26 @@ TYPED_TEST(PoisonedSequence, OtherSequencesDecodeUnchanged) {
       dcmha::AttentionConfig cfg;
       cfg.num_threads = threads;
       int64_t padding_nonzero = 0;
-      const std::vector<double> clean =
-          dt::assemble_rows(clean_p, schedule, dt::decode_steps(clean_p, cache, schedule, cfg), padding_nonzero);
+      const std::vector<double> clean = dt::assemble_rows(
+          clean_p, schedule, dt::decode_steps(clean_p, cache, schedule, cfg), padding_nonzero);
       ASSERT_TRUE(dt::all_finite(clean));
       for (const std::string& tensor : tensors) {
         const int64_t bad = cases % B;
         const double value = kPoisons[cases++ % 3];
-        SCOPED_TRACE("B=" + std::to_string(B) + " threads=" + std::to_string(threads) + " " + tensor + "[" +
-                     std::to_string(bad) + "] = " + std::to_string(value));
+        SCOPED_TRACE("B=" + std::to_string(B) + " threads=" + std::to_string(threads) + " " +
+                     tensor + "[" + std::to_string(bad) + "] = " + std::to_string(value));
         Problem p = clean_p;
         unused_dout.assign(size_t(p.B * p.H * p.T * p.Dv), 0.0);
         poison(p, unused_dout, tensor, bad, value);
-        const std::vector<double> got =
-            dt::assemble_rows(p, schedule, dt::decode_steps(p, cache, schedule, cfg), padding_nonzero);
-        EXPECT_FALSE(dt::all_finite(dt::sequence_part(got, B, bad))) << "the poisoned value never showed";
+        const std::vector<double> got = dt::assemble_rows(
+            p, schedule, dt::decode_steps(p, cache, schedule, cfg), padding_nonzero);
+        EXPECT_FALSE(dt::all_finite(dt::sequence_part(got, B, bad)))
+            << "the poisoned value never showed";
         for (int64_t b = 0; b < B; ++b) {
           if (b == bad) continue;
-          EXPECT_EQ(dt::first_bitwise_difference(dt::sequence_part(clean, B, b), dt::sequence_part(got, B, b)), -1)
+          EXPECT_EQ(dt::first_bitwise_difference(dt::sequence_part(clean, B, b),
+                                                 dt::sequence_part(got, B, b)),
+                    -1)
               << "sequence " << b;
         }
       }
@@ -457,7 +509,8 @@ bool sees_no_key(const Problem& p, int64_t b, int64_t t) {
 }
 
 /// The values of row (b, t) of x, a (B, X, T, Y) tensor (heads_dim) or a (B, T, Y...) one.
-std::vector<double> row_of(const std::vector<double>& x, const Problem& p, int64_t b, int64_t t, bool heads_dim) {
+std::vector<double> row_of(const std::vector<double>& x, const Problem& p, int64_t b, int64_t t,
+                           bool heads_dim) {
   std::vector<double> r;
   const int64_t X = heads_dim ? p.H : 1, Y = int64_t(x.size()) / (p.B * X * p.T);
   for (int64_t h = 0; h < X; ++h)
@@ -484,11 +537,14 @@ int64_t expect_rows_without_keys_zero(const Problem& p, const std::vector<NamedR
       ++rows;
       for (const NamedResult& r : got) {
         if (r.name == "lse") {
-          for (double x : row_of(r.values, p, b, t, true)) EXPECT_EQ(x, -kInf) << "lse b=" << b << " t=" << t;
+          for (double x : row_of(r.values, p, b, t, true))
+            EXPECT_EQ(x, -kInf) << "lse b=" << b << " t=" << t;
         } else if (r.name == "out" || r.name == "grad_q") {
-          EXPECT_TRUE(all_exactly_zero(row_of(r.values, p, b, t, true))) << r.name << " b=" << b << " t=" << t;
+          EXPECT_TRUE(all_exactly_zero(row_of(r.values, p, b, t, true)))
+              << r.name << " b=" << b << " t=" << t;
         } else if (is_query_wise_gradient(r.name)) {
-          EXPECT_TRUE(all_exactly_zero(row_of(r.values, p, b, t, false))) << r.name << " b=" << b << " t=" << t;
+          EXPECT_TRUE(all_exactly_zero(row_of(r.values, p, b, t, false)))
+              << r.name << " b=" << b << " t=" << t;
         }
       }
     }
@@ -503,7 +559,16 @@ TYPED_TEST(RowsWithoutKeys, ExactlyZeroUnderEveryComposeSwitch) {
   for (const NoKeyCase& c : kNoKeyCases)
     for (unsigned bits = 0; bits < 64; ++bits) {
       ProblemSpec s;
-      s.B = 2; s.H = 4; s.Hk = 2; s.G = 2; s.T = c.T; s.S = c.S; s.D = 4; s.Dv = 4; s.Rq = 2; s.Rk = 1;
+      s.B = 2;
+      s.H = 4;
+      s.Hk = 2;
+      s.G = 2;
+      s.T = c.T;
+      s.S = c.S;
+      s.D = 4;
+      s.Dv = 4;
+      s.Rq = 2;
+      s.Rk = 1;
       s.causal = c.causal;
       s.window = c.window;
       s.pre = side_from_bits(bits & 7);
@@ -516,7 +581,8 @@ TYPED_TEST(RowsWithoutKeys, ExactlyZeroUnderEveryComposeSwitch) {
       const std::vector<NamedResult> got = run_all<TypeParam>(p, dout, 1 + int(bits % 3));
       expect_close(reference_results(p, dout), got, tolerance<TypeParam>(), tolerance<TypeParam>(),
                    tolerance<TypeParam>());
-      EXPECT_GT(expect_rows_without_keys_zero(p, got), 0) << "the case is meant to have rows without keys";
+      EXPECT_GT(expect_rows_without_keys_zero(p, got), 0)
+          << "the case is meant to have rows without keys";
     }
 }
 
@@ -528,7 +594,16 @@ TYPED_TEST(RowsWithoutKeys, DecodeWithCountsOfZero) {
   const std::vector<int64_t> lengths = {6, 0, 3};
   for (unsigned bits = 0; bits < 64; ++bits) {
     ProblemSpec s;
-    s.B = 3; s.H = 4; s.Hk = 2; s.G = 2; s.T = 6; s.S = 6; s.D = 4; s.Dv = 4; s.Rq = 2; s.Rk = 1;
+    s.B = 3;
+    s.H = 4;
+    s.Hk = 2;
+    s.G = 2;
+    s.T = 6;
+    s.S = 6;
+    s.D = 4;
+    s.Dv = 4;
+    s.Rq = 2;
+    s.Rk = 1;
     s.causal = true;
     s.pre = side_from_bits(bits & 7);
     s.post = side_from_bits(bits >> 3);
@@ -559,7 +634,16 @@ constexpr double kLongRowTolerance = 1e-4;
 
 ProblemSpec long_row_spec(int64_t T, bool dcmha) {
   ProblemSpec s;
-  s.B = 1; s.H = 4; s.Hk = 4; s.T = T; s.S = kLongS; s.D = 8; s.Dv = 8; s.G = 1; s.Rq = 2; s.Rk = 2;
+  s.B = 1;
+  s.H = 4;
+  s.Hk = 4;
+  s.T = T;
+  s.S = kLongS;
+  s.D = 8;
+  s.Dv = 8;
+  s.G = 1;
+  s.Rq = 2;
+  s.Rk = 2;
   s.causal = true;
   s.pre = s.post = dcmha ? SideSpec::dynamic() : SideSpec::none();  // DCMHA: the official config
   return s;
@@ -606,7 +690,8 @@ TEST(LongRows, DecodeOneTokenAfter65535) {
     dcmha::DecodeCache<float> cache(dt::cache_config(p, kLongS, chunk));
     for (index_t s0 = 0; s0 < kLongS - 1; s0 += chunk) {
       const index_t n = std::min(chunk, kLongS - 1 - s0);
-      cache.append(dt::slice(tp.k(), 2, s0, n), dt::slice(tp.v(), 2, s0, n), dt::key_side_of(cw, s0, n));
+      cache.append(dt::slice(tp.k(), 2, s0, n), dt::slice(tp.v(), 2, s0, n),
+                   dt::key_side_of(cw, s0, n));
     }
     cache.append(dt::slice(tp.k(), 2, kLongS - 1, 1), dt::slice(tp.v(), 2, kLongS - 1, 1),
                  dt::key_side_of(cw, kLongS - 1, 1));
@@ -616,7 +701,8 @@ TEST(LongRows, DecodeOneTokenAfter65535) {
     dcmha::decode(cfg, tp.q(), cache, dt::query_side_of(cw, 0, 1), tp.out());
     const double err = dt::max_rel_error(ref::forward(p), tp.out_values());
     EXPECT_LE(err, kLongRowTolerance);
-    std::printf("[ measured ] S=%lld decode %s float: out %.3g\n", (long long)kLongS, dcmha ? "DCMHA" : "MHA", err);
+    std::printf("[ measured ] S=%lld decode %s float: out %.3g\n", (long long)kLongS,
+                dcmha ? "DCMHA" : "MHA", err);
   }
 }
 
@@ -629,7 +715,16 @@ TYPED_TEST_SUITE(ZeroLengths, FloatAndDouble);
 
 ProblemSpec zero_length_spec(int64_t B, bool composed, bool causal) {
   ProblemSpec s;
-  s.B = B; s.H = 4; s.Hk = 2; s.G = 2; s.T = 5; s.S = 6; s.D = 4; s.Dv = 4; s.Rq = 2; s.Rk = 1;
+  s.B = B;
+  s.H = 4;
+  s.Hk = 2;
+  s.G = 2;
+  s.T = 5;
+  s.S = 6;
+  s.D = 4;
+  s.Dv = 4;
+  s.Rq = 2;
+  s.Rk = 1;
   s.causal = causal;
   s.pre = s.post = composed ? SideSpec::all() : SideSpec::none();
   return s;
@@ -710,10 +805,11 @@ TEST(ZeroSizes, AttentionRejectsThemNamingTheArgument) {
     s.*dim = 0;
     return s;
   };
-  const Case cases[] = {{"T", with(&Sizes::T), "q.shape[2] (T)"},   {"S", with(&Sizes::S), "k.shape[2] (S)"},
-                        {"B", with(&Sizes::B), "q.shape[0] (B)"},   {"H", with(&Sizes::H), "q.shape[1] (H)"},
-                        {"Hk", with(&Sizes::Hk), "k.shape[1] (Hk)"}, {"D", with(&Sizes::D), "q.shape[3] (D)"},
-                        {"Dv", with(&Sizes::Dv), "v.shape[3] (Dv)"}};
+  const Case cases[] = {
+      {"T", with(&Sizes::T), "q.shape[2] (T)"},    {"S", with(&Sizes::S), "k.shape[2] (S)"},
+      {"B", with(&Sizes::B), "q.shape[0] (B)"},    {"H", with(&Sizes::H), "q.shape[1] (H)"},
+      {"Hk", with(&Sizes::Hk), "k.shape[1] (Hk)"}, {"D", with(&Sizes::D), "q.shape[3] (D)"},
+      {"Dv", with(&Sizes::Dv), "v.shape[3] (Dv)"}};
   for (const Case& c : cases) {
     SCOPED_TRACE(std::string("size 0: ") + c.what);
     const Sizes& z = c.sizes;
@@ -729,10 +825,13 @@ TEST(ZeroSizes, AttentionRejectsThemNamingTheArgument) {
                  [&] { dcmha::forward(cfg, q, k, v, o, l); });
     expect_error(std::string("dcmha::backward: ") + c.argument + ": expected >= 1, got 0", [&] {
       dcmha::backward(cfg, q, k, v, l, q, dcmha::view<4>(grads.data(), q.shape),
-                      dcmha::view<4>(grads.data() + 64, k.shape), dcmha::view<4>(grads.data() + 128, v.shape));
+                      dcmha::view<4>(grads.data() + 64, k.shape),
+                      dcmha::view<4>(grads.data() + 128, v.shape));
     });
-    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return std::isnan(x); })) << "out written";
-    EXPECT_TRUE(std::all_of(grads.begin(), grads.end(), [](float x) { return std::isnan(x); })) << "grads written";
+    EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return std::isnan(x); }))
+        << "out written";
+    EXPECT_TRUE(std::all_of(grads.begin(), grads.end(), [](float x) { return std::isnan(x); }))
+        << "grads written";
   }
 }
 
@@ -744,17 +843,30 @@ TEST(ZeroSizes, DecodeRejectsThemNamingTheArgument) {
                [&] { dcmha::DecodeCache<float> cache(empty_batch); });
 
   dcmha::DecodeCacheConfig cc;
-  cc.B = 1; cc.H = 2; cc.Hk = 2; cc.D = 4; cc.Dv = 4; cc.capacity = 4; cc.max_step = 2;
+  cc.B = 1;
+  cc.H = 2;
+  cc.Hk = 2;
+  cc.D = 4;
+  cc.Dv = 4;
+  cc.capacity = 4;
+  cc.max_step = 2;
   dcmha::DecodeCache<float> cache(cc);
   std::vector<float> in(64, 1.0f), out(64, kNaN);
-  auto tokens = [&](index_t heads, index_t n) { return dcmha::view<4>(static_cast<const float*>(in.data()), {1, heads, n, 4}); };
+  auto tokens = [&](index_t heads, index_t n) {
+    return dcmha::view<4>(static_cast<const float*>(in.data()), {1, heads, n, 4});
+  };
   expect_error("dcmha::DecodeCache::append: k_new.shape[2] (n): expected >= 1, got 0",
                [&] { cache.append(tokens(2, 0), tokens(2, 0)); });
   EXPECT_EQ(cache.length(0), 0);
   cache.append(tokens(2, 1), tokens(2, 1));
-  expect_error("dcmha::decode: q_new.shape[2] (n): expected 1 (the n of the last DecodeCache::append), got 0",
-               [&] { dcmha::decode({}, tokens(2, 0), cache, dcmha::view<4>(out.data(), {1, 2, 0, 4})); });
-  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return std::isnan(x); })) << "out written";
+  expect_error(
+      "dcmha::decode: q_new.shape[2] (n): expected 1 (the n of the last DecodeCache::append), got "
+      "0",
+      [&] {
+        dcmha::decode({}, tokens(2, 0), cache, dcmha::view<4>(out.data(), {1, 2, 0, 4}));
+      });
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return std::isnan(x); }))
+      << "out written";
 }
 
 }  // namespace

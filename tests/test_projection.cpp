@@ -160,7 +160,13 @@ struct Dims {
   index_t B, L, E, G, K, R, M;
   ref::ProjectionShape shape(bool tanh_gelu = false) const {
     ref::ProjectionShape s;
-    s.B = B; s.L = L; s.E = E; s.G = G; s.K = K; s.R = R; s.M = M;
+    s.B = B;
+    s.L = L;
+    s.E = E;
+    s.G = G;
+    s.K = K;
+    s.R = R;
+    s.M = M;
     s.tanh_gelu = tanh_gelu;
     return s;
   }
@@ -197,8 +203,7 @@ struct OwnedWeights {
   }
   bool outside_untouched() const {
     for (int c = 0; c < 4; ++c)
-      if (!w1[c].outside_untouched() || !w2[c].outside_untouched() ||
-          !dd[c].outside_untouched())
+      if (!w1[c].outside_untouched() || !w2[c].outside_untouched() || !dd[c].outside_untouched())
         return false;
     return true;
   }
@@ -277,8 +282,8 @@ struct Problem {
 double max_rel_error(const ref::ProjectionOutputs& a, const ref::ProjectionOutputs& b) {
   double e = 0.0;
   for (int c = 0; c < 4; ++c)
-    e = std::max({e, rel_error(a.w1[c], b.w1[c]), rel_error(a.w2[c], b.w2[c]),
-                  rel_error(a.dd[c], b.dd[c])});
+    e = std::max(
+        {e, rel_error(a.w1[c], b.w1[c]), rel_error(a.w2[c], b.w2[c]), rel_error(a.dd[c], b.dd[c])});
   return e;
 }
 
@@ -307,8 +312,7 @@ TEST_P(ReferenceFiniteDifferences, AllGradients) {
   ref::projection_backward(s, x, p, dout, dx, g);
 
   const double h = 1e-6;
-  auto check = [&](const char* name, std::vector<double>& param,
-                   const std::vector<double>& grad) {
+  auto check = [&](const char* name, std::vector<double>& param, const std::vector<double>& grad) {
     ASSERT_EQ(param.size(), grad.size());
     std::vector<double> fd(param.size());
     for (size_t i = 0; i < param.size(); ++i) {
@@ -385,8 +389,8 @@ ConformanceCase load_conformance() {
 }
 
 void expect_matches_case(const ConformanceCase& k, const ref::ProjectionOutputs& out,
-                         const std::vector<double>& dx, const ref::ProjectionParams& g,
-                         double tol, const char* who) {
+                         const std::vector<double>& dx, const ref::ProjectionParams& g, double tol,
+                         const char* who) {
   for (int c = 0; c < 4; ++c) {
     const std::string n = kSplitName[c];
     EXPECT_LT(rel_error(out.w1[c], k.out.w1[c]), tol) << who << " " << n << "w1";
@@ -418,8 +422,7 @@ void production_conformance(double tol, const char* who) {
   pr.forward(cfg);
   pr.backward(cfg);
   expect_matches_case(k, pr.out.get(), pr.dx.get(),
-                      ref::ProjectionParams{pr.gdw1.get(), pr.gqkw.get(), pr.gdd.get()}, tol,
-                      who);
+                      ref::ProjectionParams{pr.gdw1.get(), pr.gqkw.get(), pr.gdd.get()}, tol, who);
 }
 
 TEST(ProjectionConformance, ProductionDouble) { production_conformance<double>(1e-9, "double"); }
@@ -456,8 +459,8 @@ void production_vs_reference(const ProdCase& pc, double tol) {
   cfg.gelu = pc.tanh_gelu ? Gelu::tanh : Gelu::erf;
   std::vector<std::vector<double>> first_run;
   for (int threads : {1, 2, 2}) {
-    SCOPED_TRACE("threads " + std::to_string(threads) + ", in " + layout_name(pc.in) +
-                 ", out " + layout_name(pc.out));
+    SCOPED_TRACE("threads " + std::to_string(threads) + ", in " + layout_name(pc.in) + ", out " +
+                 layout_name(pc.out));
     cfg.num_threads = threads;
     Problem<T> pr(pc.d, pc.in, pc.out);
     pr.set(x, p, dout);
@@ -546,7 +549,8 @@ TEST(ProductionVsReferenceStrided, BatchStrideWithGap) {
   dcmha::dynamic_weights_backward(cfg, xv, pr.params(), pr.dout.views(), dxv, pr.grads());
   EXPECT_LT(max_rel_error(pr.out.get(), want), 1e-12);
   std::vector<double> got_dx(want_dx.size());
-  for_each_offset<3>(dxv.shape, dxv.stride, [&](index_t i, index_t off) { got_dx[i] = dxv.data[off]; });
+  for_each_offset<3>(dxv.shape, dxv.stride,
+                     [&](index_t i, index_t off) { got_dx[i] = dxv.data[off]; });
   EXPECT_LT(rel_error(got_dx, want_dx), 1e-12);
   for (index_t b = 0; b < d.B; ++b)
     for (index_t i = d.L * d.E; i < Lmax * d.E; ++i) EXPECT_EQ(dxbuf[b * Lmax * d.E + i], -5.0);
@@ -626,9 +630,7 @@ class ProjectionValidation : public ::testing::Test {
   dcmha::DynamicWeightProjectionGrads<float> grads = pr.grads();
 
   void fwd() { dcmha::dynamic_weights_forward(cfg, x, p, out); }
-  void bwd() {
-    dcmha::dynamic_weights_backward(cfg, x, p, dcmha::read_only(dout), dx, grads);
-  }
+  void bwd() { dcmha::dynamic_weights_backward(cfg, x, p, dcmha::read_only(dout), dx, grads); }
   /// Both entry points, since both check the config, x and the parameters.
   void both(const std::string& what) {
     expect_error([&] { fwd(); }, kFwd + what);
@@ -690,40 +692,49 @@ TEST_F(ProjectionValidation, EmptyOutputsAndUpstreamGradients) {
   for (auto& [name, f] : low_rank_fields(out)) {
     auto keep = *f;
     f->data = nullptr;
-    expect_error([&] { fwd(); }, kFwd + ("out." + name + ": expected a tensor (B, L, G, R, M), got an empty view"));
+    expect_error([&] { fwd(); },
+                 kFwd + ("out." + name + ": expected a tensor (B, L, G, R, M), got an empty view"));
     *f = keep;
   }
   for (auto& [name, f] : gate_fields(out)) {
     auto keep = *f;
     f->data = nullptr;
-    expect_error([&] { fwd(); }, kFwd + ("out." + name + ": expected a tensor (B, L, G, M), got an empty view"));
+    expect_error([&] { fwd(); },
+                 kFwd + ("out." + name + ": expected a tensor (B, L, G, M), got an empty view"));
     *f = keep;
   }
   for (auto& [name, f] : low_rank_fields(dout)) {
     auto keep = *f;
     f->data = nullptr;
-    expect_error([&] { bwd(); }, kBwd + ("dout." + name + ": expected a tensor (B, L, G, R, M), got an empty view"));
+    expect_error([&] { bwd(); }, kBwd + ("dout." + name +
+                                         ": expected a tensor (B, L, G, R, M), got an empty view"));
     *f = keep;
   }
   for (auto& [name, f] : gate_fields(dout)) {
     auto keep = *f;
     f->data = nullptr;
-    expect_error([&] { bwd(); }, kBwd + ("dout." + name + ": expected a tensor (B, L, G, M), got an empty view"));
+    expect_error([&] { bwd(); },
+                 kBwd + ("dout." + name + ": expected a tensor (B, L, G, M), got an empty view"));
     *f = keep;
   }
   auto dx0 = dx;
   dx.data = nullptr;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "dx: expected a tensor (B, L, E), got an empty view");
+  expect_error([&] { bwd(); },
+               std::string(kBwd) + "dx: expected a tensor (B, L, E), got an empty view");
   dx = dx0;
   auto g0 = grads;
   grads.dw1.data = nullptr;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dw1: expected a tensor (E, G, 4, K), got an empty view");
+  expect_error([&] { bwd(); },
+               std::string(kBwd) + "grads.dw1: expected a tensor (E, G, 4, K), got an empty view");
   grads = g0;
   grads.qkw.data = nullptr;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.qkw: expected a tensor (G, 4, K, 2R, M), got an empty view");
+  expect_error(
+      [&] { bwd(); },
+      std::string(kBwd) + "grads.qkw: expected a tensor (G, 4, K, 2R, M), got an empty view");
   grads = g0;
   grads.dd.data = nullptr;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dd: expected a tensor (E, G, 4M), got an empty view");
+  expect_error([&] { bwd(); },
+               std::string(kBwd) + "grads.dd: expected a tensor (E, G, 4M), got an empty view");
 }
 
 TEST_F(ProjectionValidation, NonPositiveDims) {
@@ -746,16 +757,20 @@ TEST_F(ProjectionValidation, NonPositiveDims) {
   p = p0;
   // Every other size must equal one fixed by x and the parameters, which the message names.
   out.post.kw2.shape[3] = 0;
-  expect_error([&] { fwd(); },
-               std::string(kFwd) + "out.post.kw2.shape[3] (R): expected 2 (qkw.shape[3] / 2), got 0");
+  expect_error(
+      [&] { fwd(); },
+      std::string(kFwd) + "out.post.kw2.shape[3] (R): expected 2 (qkw.shape[3] / 2), got 0");
   dout.pre.kdd.shape[0] = 0;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "dout.pre.kdd.shape[0] (B): expected 2 (x.shape[0]), got 0");
+  expect_error([&] { bwd(); },
+               std::string(kBwd) + "dout.pre.kdd.shape[0] (B): expected 2 (x.shape[0]), got 0");
   dout = pr.dout.views();
   dx.shape[2] = 0;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "dx.shape[2] (E): expected 5 (x.shape[2]), got 0");
+  expect_error([&] { bwd(); },
+               std::string(kBwd) + "dx.shape[2] (E): expected 5 (x.shape[2]), got 0");
   dx = pr.dx.v;
   grads.qkw.shape[0] = 0;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.qkw.shape[0] (G): expected 2 (qkw.shape[0]), got 0");
+  expect_error([&] { bwd(); },
+               std::string(kBwd) + "grads.qkw.shape[0] (G): expected 2 (qkw.shape[0]), got 0");
 }
 
 TEST_F(ProjectionValidation, ParameterShapes) {
@@ -797,16 +812,18 @@ TEST_F(ProjectionValidation, DynamicTensorShapes) {
   const index_t gate_want[4] = {2, 3, 2, 3};
   const char* gate_src[4] = {"x.shape[0]", "x.shape[1]", "dw1.shape[1]", "qkw.shape[4]"};
   auto msg = [](const std::string& name, int k, const char* w, index_t e, const char* s) {
-    return name + ".shape[" + std::to_string(k) + "] (" + w + "): expected " +
-           std::to_string(e) + " (" + s + "), got " + std::to_string(e + 1);
+    return name + ".shape[" + std::to_string(k) + "] (" + w + "): expected " + std::to_string(e) +
+           " (" + s + "), got " + std::to_string(e + 1);
   };
   for (auto [prefix, w, fn, call] :
-       {std::tuple<std::string, dcmha::DynamicWeights<float>*, const char*, int>{
-            "out.", &out, kFwd, 0},
+       {std::tuple<std::string, dcmha::DynamicWeights<float>*, const char*, int>{"out.", &out, kFwd,
+                                                                                 0},
         {"dout.", &dout, kBwd, 1}}) {
     auto run = [&, call = call] {
-      if (call == 0) fwd();
-      else bwd();
+      if (call == 0)
+        fwd();
+      else
+        bwd();
     };
     for (auto& [name, f] : low_rank_fields(*w))
       for (int k = 0; k < 5; ++k) {
@@ -827,44 +844,44 @@ TEST_F(ProjectionValidation, DynamicTensorShapes) {
 
 TEST_F(ProjectionValidation, GradientShapes) {
   dx.shape[0] = 1;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "dx.shape[0] (B): expected 2 (x.shape[0]), got 1");
+  expect_error([&] { bwd(); },
+               std::string(kBwd) + "dx.shape[0] (B): expected 2 (x.shape[0]), got 1");
   dx = pr.dx.v;
   dx.shape[1] = 4;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "dx.shape[1] (L): expected 3 (x.shape[1]), got 4");
+  expect_error([&] { bwd(); },
+               std::string(kBwd) + "dx.shape[1] (L): expected 3 (x.shape[1]), got 4");
   dx = pr.dx.v;
   dx.shape[2] = 4;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "dx.shape[2] (E): expected 5 (x.shape[2]), got 4");
+  expect_error([&] { bwd(); },
+               std::string(kBwd) + "dx.shape[2] (E): expected 5 (x.shape[2]), got 4");
   dx = pr.dx.v;
   const char* dw1_what[4] = {"E", "G", "splits", "K"};
   for (int k = 0; k < 4; ++k) {
     auto g0 = grads;
     grads.dw1.shape[k] += 1;
-    expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dw1.shape[" + std::to_string(k) +
-                                     "] (" + dw1_what[k] + "): expected " +
-                                     std::to_string(p.dw1.shape[k]) + " (dw1.shape[" +
-                                     std::to_string(k) + "]), got " +
-                                     std::to_string(p.dw1.shape[k] + 1));
+    expect_error([&] { bwd(); },
+                 std::string(kBwd) + "grads.dw1.shape[" + std::to_string(k) + "] (" + dw1_what[k] +
+                     "): expected " + std::to_string(p.dw1.shape[k]) + " (dw1.shape[" +
+                     std::to_string(k) + "]), got " + std::to_string(p.dw1.shape[k] + 1));
     grads = g0;
   }
   const char* qkw_what[5] = {"G", "splits", "K", "2R", "M"};
   for (int k = 0; k < 5; ++k) {
     auto g0 = grads;
     grads.qkw.shape[k] += 1;
-    expect_error([&] { bwd(); }, std::string(kBwd) + "grads.qkw.shape[" + std::to_string(k) +
-                                     "] (" + qkw_what[k] + "): expected " +
-                                     std::to_string(p.qkw.shape[k]) + " (qkw.shape[" +
-                                     std::to_string(k) + "]), got " +
-                                     std::to_string(p.qkw.shape[k] + 1));
+    expect_error([&] { bwd(); },
+                 std::string(kBwd) + "grads.qkw.shape[" + std::to_string(k) + "] (" + qkw_what[k] +
+                     "): expected " + std::to_string(p.qkw.shape[k]) + " (qkw.shape[" +
+                     std::to_string(k) + "]), got " + std::to_string(p.qkw.shape[k] + 1));
     grads = g0;
   }
   const char* dd_what[3] = {"E", "G", "4M"};
   for (int k = 0; k < 3; ++k) {
     auto g0 = grads;
     grads.dd.shape[k] += 1;
-    expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dd.shape[" + std::to_string(k) +
-                                     "] (" + dd_what[k] + "): expected " +
-                                     std::to_string(p.dd.shape[k]) + " (dd.shape[" +
-                                     std::to_string(k) + "]), got " +
+    expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dd.shape[" + std::to_string(k) + "] (" +
+                                     dd_what[k] + "): expected " + std::to_string(p.dd.shape[k]) +
+                                     " (dd.shape[" + std::to_string(k) + "]), got " +
                                      std::to_string(p.dd.shape[k] + 1));
     grads = g0;
   }
@@ -885,18 +902,21 @@ TEST_F(ProjectionValidation, OutputsMustNotAliasInputs) {
   Owned<float, 1> shared({400}, Layout::contiguous);
   p.dw1 = TensorView<const float, 4>(shared.v.data, pr.dw1.v.shape, pr.dw1.v.stride);
   const index_t last = pr.dw1.v.numel() - 1;
-  out.pre.kw1 = TensorView<float, 5>(shared.v.data + last + 71, {2, 3, 2, 2, 3},
-                                     {-36, -12, -6, -3, -1});
-  expect_error([&] { fwd(); }, std::string(kFwd) + "out.pre.kw1: expected memory disjoint from input dw1");
+  out.pre.kw1 =
+      TensorView<float, 5>(shared.v.data + last + 71, {2, 3, 2, 2, 3}, {-36, -12, -6, -3, -1});
+  expect_error([&] { fwd(); },
+               std::string(kFwd) + "out.pre.kw1: expected memory disjoint from input dw1");
   out.pre.kw1.data += 1;  // one element further: disjoint
   EXPECT_NO_THROW(fwd());
   p = pr.params();
   out = pr.out.views();
   out.post.kw2 = TensorView<float, 5>(pr.qkw.v.data, {2, 3, 2, 2, 3}, {0, 0, 0, 0, 0});
-  expect_error([&] { fwd(); }, std::string(kFwd) + "out.post.kw2: expected memory disjoint from input qkw");
+  expect_error([&] { fwd(); },
+               std::string(kFwd) + "out.post.kw2: expected memory disjoint from input qkw");
   out = pr.out.views();
   out.pre.qdd.data = pr.dd.v.data;
-  expect_error([&] { fwd(); }, std::string(kFwd) + "out.pre.qdd: expected memory disjoint from input dd");
+  expect_error([&] { fwd(); },
+               std::string(kFwd) + "out.pre.qdd: expected memory disjoint from input dd");
   out = pr.out.views();
 
   dx = pr.dx.v;
@@ -913,7 +933,8 @@ TEST_F(ProjectionValidation, OutputsMustNotAliasInputs) {
   dout = pr.dout.views();
   grads = pr.grads();
   grads.dd.data = pr.qkw.v.data;
-  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dd: expected memory disjoint from input qkw");
+  expect_error([&] { bwd(); },
+               std::string(kBwd) + "grads.dd: expected memory disjoint from input qkw");
   grads = pr.grads();
   dout.pre.kdd = TensorView<float, 4>(pool.v.data, dout.pre.kdd.shape, dout.pre.kdd.stride);
   grads.qkw = TensorView<float, 5>(pool.v.data, grads.qkw.shape, grads.qkw.stride);
@@ -952,15 +973,16 @@ TEST_F(ProjectionValidation, OutputsMayInterleaveWithoutSharedElements) {
   EXPECT_NO_THROW(fwd());
   // Shifted by one element, qw2's last column falls on qdd's first.
   out.pre.qw2.data += 1;
-  expect_error([&] { fwd(); }, std::string(kFwd) +
-                                   "out.pre.qw2: expected memory disjoint from output out.pre.qdd");
+  expect_error([&] { fwd(); },
+               std::string(kFwd) + "out.pre.qw2: expected memory disjoint from output out.pre.qdd");
   out = pr.out.views();
   // Overlapping without the same start: rejected as well.
   Owned<float, 1> both({2 * d.B * d.L * d.G * d.R * d.M}, Layout::contiguous);
   out.post.kw1 = TensorView<float, 5>(both.v.data, w, dcmha::contiguous_strides<5>(w));
   out.post.kw2 = TensorView<float, 5>(both.v.data + 5, w, dcmha::contiguous_strides<5>(w));
-  expect_error([&] { fwd(); }, std::string(kFwd) +
-                                   "out.post.kw1: expected memory disjoint from output out.post.kw2");
+  expect_error(
+      [&] { fwd(); },
+      std::string(kFwd) + "out.post.kw1: expected memory disjoint from output out.post.kw2");
 }
 
 TEST_F(ProjectionValidation, OutputsMustNotOverlapThemselves) {
@@ -970,8 +992,9 @@ TEST_F(ProjectionValidation, OutputsMustNotOverlapThemselves) {
                                    "its elements must not overlap), got 0");
   out = pr.out.views();
   grads.dw1.stride[0] = 8;  // (5, 2, 4, 4): E rows 8 apart, inside one (splits, K) block of 16
-  expect_error([&] { bwd(); }, std::string(kBwd) + "grads.dw1.stride[0]: expected >= 16 (grads.dw1 is "
-                                                   "written, its elements must not overlap), got 8");
+  expect_error([&] { bwd(); }, std::string(kBwd) +
+                                   "grads.dw1.stride[0]: expected >= 16 (grads.dw1 is "
+                                   "written, its elements must not overlap), got 8");
 }
 
 TEST_F(ProjectionValidation, KeptActivations) {
@@ -980,8 +1003,9 @@ TEST_F(ProjectionValidation, KeptActivations) {
   };
   dcmha::ProjectionActivations<float> act;
   expect_error([&] { bwd_kept(act); },
-               std::string(kBwd) + "kept: expected the activations a dynamic_weights_forward kept, "
-                                   "got empty ones");
+               std::string(kBwd) +
+                   "kept: expected the activations a dynamic_weights_forward kept, "
+                   "got empty ones");
   dcmha::dynamic_weights_forward(cfg, x, p, out, act);
   bwd_kept(act);
 
@@ -991,9 +1015,10 @@ TEST_F(ProjectionValidation, KeptActivations) {
   dcmha::ProjectionActivations<float> act2;
   dcmha::dynamic_weights_forward(cfg, other.x.c(), other.params(), other.out.views(), act2);
   expect_error([&] { bwd_kept(act2); },
-               std::string(kBwd) + "kept: expected the activations of a forward with (B, L, E, G, "
-                                   "K, R, M) = (2, 3, 5, 2, 4, 2, 3) as x and the parameters here, "
-                                   "got those of (2, 2, 5, 2, 4, 2, 3)");
+               std::string(kBwd) +
+                   "kept: expected the activations of a forward with (B, L, E, G, "
+                   "K, R, M) = (2, 3, 5, 2, 4, 2, 3) as x and the parameters here, "
+                   "got those of (2, 2, 5, 2, 4, 2, 3)");
 
   // Released, then moved from: empty again; a forward fills a moved-from one anew.
   act.release();

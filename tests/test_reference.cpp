@@ -32,8 +32,8 @@ double loss(const Problem& p, const std::vector<double>& dout) {
 std::vector<std::pair<std::string, std::vector<double>*>> named_inputs(Problem& p) {
   std::vector<std::pair<std::string, std::vector<double>*>> out = {
       {"q", &p.q}, {"k", &p.k}, {"v", &p.v}};
-  for (auto [side, c] : {std::pair<std::string, dcmha::reference::ComposeSide*>{"pre", &p.pre},
-                         {"post", &p.post}}) {
+  for (auto [side, c] :
+       {std::pair<std::string, dcmha::reference::ComposeSide*>{"pre", &p.pre}, {"post", &p.post}}) {
     if (c->static_w) out.emplace_back(side + "_w", &c->w);
     if (c->query_wise) {
       out.emplace_back(side + "_qw1", &c->qw1);
@@ -65,8 +65,20 @@ ProblemSpec make(int64_t B, int64_t H, int64_t Hk, int64_t T, int64_t S, int64_t
                  int64_t G, int64_t Rq, int64_t Rk, bool causal, int64_t window, SideSpec pre,
                  SideSpec post) {
   ProblemSpec s;
-  s.B = B; s.H = H; s.Hk = Hk; s.T = T; s.S = S; s.D = D; s.Dv = Dv; s.G = G; s.Rq = Rq;
-  s.Rk = Rk; s.causal = causal; s.window = window; s.pre = pre; s.post = post;
+  s.B = B;
+  s.H = H;
+  s.Hk = Hk;
+  s.T = T;
+  s.S = S;
+  s.D = D;
+  s.Dv = Dv;
+  s.G = G;
+  s.Rq = Rq;
+  s.Rk = Rk;
+  s.causal = causal;
+  s.window = window;
+  s.pre = pre;
+  s.post = post;
   return s;
 }
 
@@ -91,7 +103,8 @@ std::vector<FdCase> fd_cases() {
       {"window_no_causal_TgtS", make(1, 4, 2, 6, 4, 2, 2, 1, 2, 1, false, 2, kAll, kDynamic)},
       {"causal_TgtS_masked_rows", make(1, 4, 4, 6, 3, 2, 2, 2, 2, 2, true, 0, kAll, kAll)},
       {"mha_no_compose", make(2, 2, 1, 4, 5, 3, 2, 1, 1, 1, true, 0, kNone, kNone)},
-      {"mixed_pre_static_post_query", make(1, 4, 4, 5, 6, 2, 2, 1, 2, 2, false, 0, kStaticOnly, kQueryOnly)},
+      {"mixed_pre_static_post_query",
+       make(1, 4, 4, 5, 6, 2, 2, 1, 2, 2, false, 0, kStaticOnly, kQueryOnly)},
       {"one_head_per_group", make(1, 2, 1, 4, 4, 2, 2, 2, 2, 2, true, 0, kAll, kAll)},
   };
 }
@@ -155,22 +168,26 @@ TEST(ReferenceMasking, RowsThatSeeNoKeyGiveZerosNotNaN) {
     const std::vector<double> out = dcmha::reference::forward(p);
     const Gradients g = dcmha::reference::backward(p, dcmha::test::random_dout(p, 8));
     ASSERT_TRUE(all_finite(out));
-    for (const auto& [name, x] : dcmha::test::named_gradients(g)) ASSERT_TRUE(all_finite(*x)) << name;
+    for (const auto& [name, x] : dcmha::test::named_gradients(g))
+      ASSERT_TRUE(all_finite(*x)) << name;
 
     const int64_t blind = p.T - p.S;  // rows 0 .. blind-1 see no key
     for (int64_t b = 0; b < p.B; ++b)
       for (int64_t t = 0; t < p.T; ++t) {
         double row_out = 0, row_dq = 0, row_q_terms = 0;
         for (int64_t h = 0; h < p.H; ++h) {
-          for (int64_t e = 0; e < p.Dv; ++e) row_out += std::abs(out[((b * p.H + h) * p.T + t) * p.Dv + e]);
-          for (int64_t d = 0; d < p.D; ++d) row_dq += std::abs(g.dq[((b * p.H + h) * p.T + t) * p.D + d]);
+          for (int64_t e = 0; e < p.Dv; ++e)
+            row_out += std::abs(out[((b * p.H + h) * p.T + t) * p.Dv + e]);
+          for (int64_t d = 0; d < p.D; ++d)
+            row_dq += std::abs(g.dq[((b * p.H + h) * p.T + t) * p.D + d]);
         }
         for (const dcmha::reference::ComposeSide* c : {&g.dpre, &g.dpost}) {
           for (int64_t i = 0; i < p.G * c->Rq * M; ++i) {
             row_q_terms += std::abs(c->qw1[(b * p.T + t) * p.G * c->Rq * M + i]);
             row_q_terms += std::abs(c->qw2[(b * p.T + t) * p.G * c->Rq * M + i]);
           }
-          for (int64_t i = 0; i < p.G * M; ++i) row_q_terms += std::abs(c->qdd[(b * p.T + t) * p.G * M + i]);
+          for (int64_t i = 0; i < p.G * M; ++i)
+            row_q_terms += std::abs(c->qdd[(b * p.T + t) * p.G * M + i]);
         }
         if (t < blind) {
           EXPECT_EQ(row_out, 0.0) << "b " << b << " t " << t;
@@ -199,15 +216,25 @@ TEST(ReferenceMasking, WindowCountsTheQueryItself) {
 TEST(ReferenceMasking, VisibleKeysPerRow) {
   // Spelled out by hand from spec section 1, so the rule itself is checked, not just its use.
   Problem p;
-  p.T = 6; p.S = 6; p.causal = true; p.window = 3;
-  const std::vector<std::vector<int>> causal_w3 = {{0}, {0, 1}, {0, 1, 2}, {1, 2, 3}, {2, 3, 4}, {3, 4, 5}};
+  p.T = 6;
+  p.S = 6;
+  p.causal = true;
+  p.window = 3;
+  const std::vector<std::vector<int>> causal_w3 = {{0},       {0, 1},    {0, 1, 2},
+                                                   {1, 2, 3}, {2, 3, 4}, {3, 4, 5}};
   Problem q;
-  q.T = 3; q.S = 5; q.causal = false; q.window = 2;  // last = t + 2; keys after it stay visible
+  q.T = 3;
+  q.S = 5;
+  q.causal = false;
+  q.window = 2;  // last = t + 2; keys after it stay visible
   const std::vector<std::vector<int>> full_w2 = {{1, 2, 3, 4}, {2, 3, 4}, {3, 4}};
   Problem r;
-  r.T = 4; r.S = 2; r.causal = true;  // last = t - 2
+  r.T = 4;
+  r.S = 2;
+  r.causal = true;  // last = t - 2
   const std::vector<std::vector<int>> causal_TgtS = {{}, {}, {0}, {0, 1}};
-  for (const auto& [prob, want] : {std::pair{&p, causal_w3}, std::pair{&q, full_w2}, std::pair{&r, causal_TgtS}})
+  for (const auto& [prob, want] :
+       {std::pair{&p, causal_w3}, std::pair{&q, full_w2}, std::pair{&r, causal_TgtS}})
     for (int64_t t = 0; t < prob->T; ++t) {
       std::vector<int> got;
       for (int s = 0; s < prob->S; ++s)
@@ -235,7 +262,9 @@ TEST(ReferenceGqa, EqualsMhaWithRepeatedKvHeads) {
       mha.k.insert(mha.k.end(), k0, k0 + gqa.S * gqa.D);
       mha.v.insert(mha.v.end(), v0, v0 + gqa.S * gqa.Dv);
     }
-  EXPECT_LT(dcmha::test::max_rel_error(dcmha::reference::forward(mha), dcmha::reference::forward(gqa)), 1e-14);
+  EXPECT_LT(
+      dcmha::test::max_rel_error(dcmha::reference::forward(mha), dcmha::reference::forward(gqa)),
+      1e-14);
 
   const std::vector<double> dout = dcmha::test::random_dout(gqa, 12);
   const Gradients gg = dcmha::reference::backward(gqa, dout);
@@ -319,10 +348,10 @@ TEST(ReferenceConformance, StaticWInFilesExcludesIdentity) {
     ++static_cases;
     SCOPED_TRACE(path);
     const std::vector<double>& expected = cf.tensor("out").values;
-    const double verbatim =
-        dcmha::test::max_rel_error(expected, dcmha::reference::forward(dcmha::test::problem_from_case(cf, false)));
-    const double minus_identity =
-        dcmha::test::max_rel_error(expected, dcmha::reference::forward(dcmha::test::problem_from_case(cf, true)));
+    const double verbatim = dcmha::test::max_rel_error(
+        expected, dcmha::reference::forward(dcmha::test::problem_from_case(cf, false)));
+    const double minus_identity = dcmha::test::max_rel_error(
+        expected, dcmha::reference::forward(dcmha::test::problem_from_case(cf, true)));
     EXPECT_LT(verbatim, 1e-9);
     EXPECT_GT(minus_identity, 1e-2);
     EXPECT_FALSE(dcmha::test::kCaseStaticWIncludesIdentity);
@@ -377,8 +406,10 @@ TEST(CaseFile, ErrorsNameFileAndLine) {
   EXPECT_NE(parse_error("tensor a 2\n1 x\n").find("'x' is not a number"), std::string::npos);
   EXPECT_NE(parse_error("tensor a 1\nnan\n").find("non-finite"), std::string::npos);
   EXPECT_NE(parse_error("tensor a 0\n").find("positive integer"), std::string::npos);
-  EXPECT_NE(parse_error("tensor a 1\n1\ntensor a 1\n2\n").find("duplicate tensor a"), std::string::npos);
-  EXPECT_NE(parse_error("meta k 1\nmeta k 2\n").find("inline.txt:2: duplicate meta k"), std::string::npos);
+  EXPECT_NE(parse_error("tensor a 1\n1\ntensor a 1\n2\n").find("duplicate tensor a"),
+            std::string::npos);
+  EXPECT_NE(parse_error("meta k 1\nmeta k 2\n").find("inline.txt:2: duplicate meta k"),
+            std::string::npos);
   EXPECT_NE(parse_error("meta k\n").find("meta KEY VALUE"), std::string::npos);
   EXPECT_NE(parse_error("1 2 3\n").find("values outside of a tensor"), std::string::npos);
   EXPECT_NE(parse_error("tensr a 1\n").find("unknown line"), std::string::npos);
@@ -387,8 +418,7 @@ TEST(CaseFile, ErrorsNameFileAndLine) {
 }
 
 TEST(CaseFile, CoreCaseConsistencyIsChecked) {
-  const std::string qkv =
-      "tensor q 1 2 1 1\n1 2\ntensor k 1 2 1 1\n1 2\ntensor v 1 2 1 1\n1 2\n";
+  const std::string qkv = "tensor q 1 2 1 1\n1 2\ntensor k 1 2 1 1\n1 2\ntensor v 1 2 1 1\n1 2\n";
   EXPECT_NO_THROW(dcmha::test::problem_from_case(parse("meta kind core\n" + qkv)));
   auto err = [&](const std::string& text) {
     try {

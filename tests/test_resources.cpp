@@ -79,8 +79,9 @@ void* allocate(std::size_t n, std::size_t align, bool nothrow) {
     throw std::bad_alloc();
   }
   n = std::max<std::size_t>(n, 1);
-  void* p = align > alignof(std::max_align_t) ? std::aligned_alloc(align, (n + align - 1) / align * align)
-                                              : std::malloc(n);
+  void* p = align > alignof(std::max_align_t)
+                ? std::aligned_alloc(align, (n + align - 1) / align * align)
+                : std::malloc(n);
   if (!p) {
     if (nothrow) return nullptr;
     throw std::bad_alloc();
@@ -123,10 +124,18 @@ class Armed {
 #ifndef DCMHA_TEST_TSAN
 void* operator new(std::size_t n) { return fault::allocate(n, 0, false); }
 void* operator new[](std::size_t n) { return fault::allocate(n, 0, false); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return fault::allocate(n, 0, true); }
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return fault::allocate(n, 0, true); }
-void* operator new(std::size_t n, std::align_val_t a) { return fault::allocate(n, std::size_t(a), false); }
-void* operator new[](std::size_t n, std::align_val_t a) { return fault::allocate(n, std::size_t(a), false); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
+  return fault::allocate(n, 0, true);
+}
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept {
+  return fault::allocate(n, 0, true);
+}
+void* operator new(std::size_t n, std::align_val_t a) {
+  return fault::allocate(n, std::size_t(a), false);
+}
+void* operator new[](std::size_t n, std::align_val_t a) {
+  return fault::allocate(n, std::size_t(a), false);
+}
 void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
   return fault::allocate(n, std::size_t(a), true);
 }
@@ -143,8 +152,12 @@ void operator delete(void* p, std::size_t, std::align_val_t) noexcept { fault::r
 void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { fault::release(p); }
 void operator delete(void* p, const std::nothrow_t&) noexcept { fault::release(p); }
 void operator delete[](void* p, const std::nothrow_t&) noexcept { fault::release(p); }
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { fault::release(p); }
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { fault::release(p); }
+void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept {
+  fault::release(p);
+}
+void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept {
+  fault::release(p);
+}
 #endif
 
 namespace {
@@ -199,13 +212,16 @@ Call attention_call(const ProblemSpec& spec, int threads, bool backward) {
   tp->set_dout(dcmha::test::random_dout(p, 5));
   dcmha::forward(tp->config(), tp->q(), tp->k(), tp->v(), tp->out(), tp->lse(), tp->compose());
   Call c;
-  c.name = std::string(backward ? "backward " : "forward ") + spec.str() + " threads " + std::to_string(threads);
+  c.name = std::string(backward ? "backward " : "forward ") + spec.str() + " threads " +
+           std::to_string(threads);
   if (!backward) {
     c.run = [tp](dcmha::Workspace* ws) {
       if (ws)
-        dcmha::forward(tp->config(), tp->q(), tp->k(), tp->v(), tp->out(), tp->lse(), tp->compose(), *ws);
+        dcmha::forward(tp->config(), tp->q(), tp->k(), tp->v(), tp->out(), tp->lse(), tp->compose(),
+                       *ws);
       else
-        dcmha::forward(tp->config(), tp->q(), tp->k(), tp->v(), tp->out(), tp->lse(), tp->compose());
+        dcmha::forward(tp->config(), tp->q(), tp->k(), tp->v(), tp->out(), tp->lse(),
+                       tp->compose());
     };
     c.outputs = [tp] { return with(tp->out_values(), tp->lse_values()); };
     c.reset = [tp] {
@@ -215,11 +231,11 @@ Call attention_call(const ProblemSpec& spec, int threads, bool backward) {
   } else {
     c.run = [tp](dcmha::Workspace* ws) {
       if (ws)
-        dcmha::backward(tp->config(), tp->q(), tp->k(), tp->v(), tp->lse(), tp->dout(), tp->dq(), tp->dk(),
-                        tp->dv(), tp->compose(), tp->dcompose(), *ws);
+        dcmha::backward(tp->config(), tp->q(), tp->k(), tp->v(), tp->lse(), tp->dout(), tp->dq(),
+                        tp->dk(), tp->dv(), tp->compose(), tp->dcompose(), *ws);
       else
-        dcmha::backward(tp->config(), tp->q(), tp->k(), tp->v(), tp->lse(), tp->dout(), tp->dq(), tp->dk(),
-                        tp->dv(), tp->compose(), tp->dcompose());
+        dcmha::backward(tp->config(), tp->q(), tp->k(), tp->v(), tp->lse(), tp->dout(), tp->dq(),
+                        tp->dk(), tp->dv(), tp->compose(), tp->dcompose());
     };
     c.outputs = [tp] {
       const dcmha::reference::Gradients g = tp->gradients();
@@ -250,7 +266,13 @@ Call decode_call(int threads) {
   };
   auto st = std::make_shared<State>();
   const index_t B = 2, H = 4, D = 8, R = 2, n = 3, prompt = 40;
-  st->cc.B = B; st->cc.H = H; st->cc.Hk = H; st->cc.D = D; st->cc.Dv = D; st->cc.G = 1; st->cc.Rk = R;
+  st->cc.B = B;
+  st->cc.H = H;
+  st->cc.Hk = H;
+  st->cc.D = D;
+  st->cc.Dv = D;
+  st->cc.G = 1;
+  st->cc.Rk = R;
   st->cc.pre_key_wise = st->cc.post_key_wise = true;
   st->cc.capacity = prompt + n;
   st->cc.max_step = prompt;
@@ -271,7 +293,8 @@ Call decode_call(int threads) {
       side->kw2 = dcmha::view<5>(kw2.data(), {B, len, 1, R, H});
       side->kdd = dcmha::view<4>(kdd.data(), {B, len, 1, H});
     }
-    st->cache->append(dcmha::view<4>(k.data(), {B, H, len, D}), dcmha::view<4>(v.data(), {B, H, len, D}), key_side);
+    st->cache->append(dcmha::view<4>(k.data(), {B, H, len, D}),
+                      dcmha::view<4>(v.data(), {B, H, len, D}), key_side);
   }
   st->q = normal(B * H * n * D, 1);
   st->out.assign(size_t(B * H * n * D), float(kSentinel));
@@ -363,7 +386,8 @@ void check_every_allocation_failure(Call& call) {
         }
         call.reset();
       }
-      ASSERT_EQ(fault::injector().tracker.held(), 0) << "an allocation of the failed call is still held";
+      ASSERT_EQ(fault::injector().tracker.held(), 0)
+          << "an allocation of the failed call is still held";
     }
   }
   ASSERT_FALSE(fault::injector().tracker.overflowed);
@@ -380,7 +404,15 @@ bool have_injector() {
 
 ProblemSpec spec_of(int64_t B, int64_t H, int64_t G, int64_t T, int64_t S, SideSpec side) {
   ProblemSpec s;
-  s.B = B; s.H = H; s.Hk = H; s.G = G; s.T = T; s.S = S; s.D = 8; s.Dv = 8; s.causal = true;
+  s.B = B;
+  s.H = H;
+  s.Hk = H;
+  s.G = G;
+  s.T = T;
+  s.S = S;
+  s.D = 8;
+  s.Dv = 8;
+  s.causal = true;
   s.pre = s.post = side;
   return s;
 }
@@ -394,7 +426,8 @@ TEST(AllocationFailure, ForwardLeavesOutputsUntouched) {
       auto items = attention_call<float>(spec_of(2, 4, 2, 20, 20, side), threads, false);
       check_every_allocation_failure(items);
       // At least 4 query blocks of 64 rows per thread.
-      auto blocks = attention_call<float>(spec_of(1, 2, 1, 260 * threads, 260 * threads, side), threads, false);
+      auto blocks = attention_call<float>(spec_of(1, 2, 1, 260 * threads, 260 * threads, side),
+                                          threads, false);
       check_every_allocation_failure(blocks);
       auto team = attention_call<dcmha::bf16>(spec_of(1, 4, 1, 5, 70, side), threads, false);
       check_every_allocation_failure(team);
@@ -437,8 +470,8 @@ void forward_broadcast_keys(index_t S, const char* expect_in_message) {
   dcmha::AttentionConfig cfg;
   cfg.mask = dcmha::Mask::full;
   try {
-    dcmha::forward(cfg, dcmha::view<4>(static_cast<const float*>(q.data()), {1, 1, 1, 8}), kv(k), kv(v),
-                   dcmha::view<4>(out.data(), {1, 1, 1, 8}));
+    dcmha::forward(cfg, dcmha::view<4>(static_cast<const float*>(q.data()), {1, 1, 1, 8}), kv(k),
+                   kv(v), dcmha::view<4>(out.data(), {1, 1, 1, 8}));
     FAIL() << "no error";
   } catch (const dcmha::AllocationError& e) {
     EXPECT_NE(std::string(e.what()).find(expect_in_message), std::string::npos) << e.what();

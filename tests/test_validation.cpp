@@ -917,14 +917,19 @@ TYPED_TEST(Validation, RejectsWorkspaceInUse) {
   {
     const dcmha::detail::WorkspaceAccess::Use other_call("test", ws);
     const char* needle = "workspace: expected a Workspace no other call is using";
-    expect_rejected("dcmha::forward", [&] { dcmha::forward(p.cfg, p.q, p.k, p.v, p.out, p.lse, p.cw, ws); },
+    expect_rejected("dcmha::forward",
+                    [&] { dcmha::forward(p.cfg, p.q, p.k, p.v, p.out, p.lse, p.cw, ws); },
                     {needle});
     expect_rejected("dcmha::backward",
-                    [&] { dcmha::backward(p.cfg, p.q, p.k, p.v, p.lse, p.dout, p.dq, p.dk, p.dv, p.cw, p.cg, ws); },
+                    [&] {
+                      dcmha::backward(p.cfg, p.q, p.k, p.v, p.lse, p.dout, p.dq, p.dk, p.dv, p.cw,
+                                      p.cg, ws);
+                    },
                     {needle});
   }
   EXPECT_NO_THROW(dcmha::forward(p.cfg, p.q, p.k, p.v, p.out, p.lse, p.cw, ws));
-  EXPECT_NO_THROW(dcmha::backward(p.cfg, p.q, p.k, p.v, p.lse, p.dout, p.dq, p.dk, p.dv, p.cw, p.cg, ws));
+  EXPECT_NO_THROW(
+      dcmha::backward(p.cfg, p.q, p.k, p.v, p.lse, p.dout, p.dq, p.dk, p.dv, p.cw, p.cg, ws));
   EXPECT_GT(ws.bytes(), 0u);
 }
 

@@ -47,7 +47,8 @@ void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorV
                    const ComposeGrads<T>& dcompose, Workspace* workspace) {
   const char* fn = "dcmha::backward";
   with_allocation_errors(fn, [&] {
-    const AttentionDims dims = validate_backward(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
+    const AttentionDims dims =
+        validate_backward(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
     check_kernel_sizes(dims, compose, cpu::thread_count(cfg.num_threads));
     WorkspaceAccess::CallMemory mem(fn, workspace);
     cpu::backward(cfg, dims, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, mem.get());
@@ -59,31 +60,29 @@ void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorV
 // without spelling out the scalar type. The overloads with a Workspace keep the kernels' buffers
 // there between calls (workspace.hpp); the others allocate them per call.
 #define DCMHA_DEFINE_ATTENTION_ENTRY_POINTS(T)                                                    \
-  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                      \
-                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,  \
-                      TensorView<acc_t<T>, 3> lse = {}, const ComposeWeights<T>& compose = {}) { \
-    detail::forward_impl<T>(cfg, q, k, v, out, lse, compose, nullptr);                           \
-  }                                                                                              \
-  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                      \
-                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,  \
-                      TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& compose,             \
-                      Workspace& workspace) {                                                    \
-    detail::forward_impl<T>(cfg, q, k, v, out, lse, compose, &workspace);                        \
-  }                                                                                              \
-  inline void backward(const AttentionConfig& cfg, TensorView<const T, 4> q,                     \
-                       TensorView<const T, 4> k, TensorView<const T, 4> v,                       \
-                       TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout,           \
-                       TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,            \
-                       const ComposeWeights<T>& compose = {},                                    \
-                       const ComposeGrads<T>& dcompose = {}) {                                   \
-    detail::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, nullptr);   \
-  }                                                                                              \
-  inline void backward(const AttentionConfig& cfg, TensorView<const T, 4> q,                     \
-                       TensorView<const T, 4> k, TensorView<const T, 4> v,                       \
-                       TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout,           \
-                       TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,            \
-                       const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose,        \
-                       Workspace& workspace) {                                                   \
+  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                       \
+                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,   \
+                      TensorView<acc_t<T>, 3> lse = {}, const ComposeWeights<T>& compose = {}) {  \
+    detail::forward_impl<T>(cfg, q, k, v, out, lse, compose, nullptr);                            \
+  }                                                                                               \
+  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                       \
+                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,   \
+                      TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& compose,              \
+                      Workspace& workspace) {                                                     \
+    detail::forward_impl<T>(cfg, q, k, v, out, lse, compose, &workspace);                         \
+  }                                                                                               \
+  inline void backward(                                                                           \
+      const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,             \
+      TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout,   \
+      TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,                              \
+      const ComposeWeights<T>& compose = {}, const ComposeGrads<T>& dcompose = {}) {              \
+    detail::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, nullptr);    \
+  }                                                                                               \
+  inline void backward(                                                                           \
+      const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,             \
+      TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout,   \
+      TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,                              \
+      const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose, Workspace& workspace) {  \
     detail::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, &workspace); \
   }
 

@@ -42,8 +42,8 @@ struct DynamicWeightProjectionGrads {
   TensorView<T, 3> dd;
 };
 
-/// One side's dynamic tensors over positions l of the input: w1/w2 (B, L, G, R, M), dd (B, L, G, M).
-/// Use T = const float for read-only views (e.g. upstream gradients).
+/// One side's dynamic tensors over positions l of the input: w1/w2 (B, L, G, R, M), dd (B, L, G,
+/// M). Use T = const float for read-only views (e.g. upstream gradients).
 template <class T>
 struct DynamicWeightsSide {
   TensorView<T, 5> qw1, qw2, kw1, kw2;
@@ -65,7 +65,11 @@ struct DynamicWeightsStorage {
 
   DynamicWeightsStorage() = default;
   DynamicWeightsStorage(index_t B_, index_t L_, index_t G_, index_t R_, index_t M_)
-      : B(B_), L(L_), G(G_), R(R_), M(M_),
+      : B(B_),
+        L(L_),
+        G(G_),
+        R(R_),
+        M(M_),
         data(static_cast<std::size_t>(2 * 2 * (2 * B * L * G * R * M + B * L * G * M))) {}
 
   DynamicWeights<T> views() {
@@ -82,8 +86,12 @@ struct DynamicWeightsStorage {
     };
     DynamicWeights<T> dw;
     for (DynamicWeightsSide<T>* s : {&dw.pre, &dw.post}) {
-      s->qw1 = w(); s->qw2 = w(); s->qdd = dd();
-      s->kw1 = w(); s->kw2 = w(); s->kdd = dd();
+      s->qw1 = w();
+      s->qw2 = w();
+      s->qdd = dd();
+      s->kw1 = w();
+      s->kw2 = w();
+      s->kdd = dd();
     }
     return dw;
   }
@@ -92,15 +100,20 @@ struct DynamicWeightsStorage {
 /// Self-attention compose weights from a projection's output (queries and keys are the same
 /// positions): query- and key-wise terms on, static terms on where a W (G, M, M) is given.
 template <class U, class T = std::remove_const_t<U>>
-inline ComposeWeights<T> compose_weights(const DynamicWeights<U>& dw, TensorView<const T, 3> pre_w = {},
+inline ComposeWeights<T> compose_weights(const DynamicWeights<U>& dw,
+                                         TensorView<const T, 3> pre_w = {},
                                          TensorView<const T, 3> post_w = {}) {
   auto side = [](const DynamicWeightsSide<U>& s, TensorView<const T, 3> w) {
     ComposeTerms<T> c;
     c.static_w = !w.empty();
     c.query_wise = c.key_wise = true;
     c.w = w;
-    c.qw1 = s.qw1; c.qw2 = s.qw2; c.qdd = s.qdd;
-    c.kw1 = s.kw1; c.kw2 = s.kw2; c.kdd = s.kdd;
+    c.qw1 = s.qw1;
+    c.qw2 = s.qw2;
+    c.qdd = s.qdd;
+    c.kw1 = s.kw1;
+    c.kw2 = s.kw2;
+    c.kdd = s.kdd;
     return c;
   };
   return {side(dw.pre, pre_w), side(dw.post, post_w)};
@@ -114,8 +127,12 @@ inline ComposeGrads<T> compose_grads(const DynamicWeights<T>& g, TensorView<T, 3
   auto side = [](const DynamicWeightsSide<T>& s, TensorView<T, 3> w) {
     ComposeTermGrads<T> c;
     c.w = w;
-    c.qw1 = s.qw1; c.qw2 = s.qw2; c.qdd = s.qdd;
-    c.kw1 = s.kw1; c.kw2 = s.kw2; c.kdd = s.kdd;
+    c.qw1 = s.qw1;
+    c.qw2 = s.qw2;
+    c.qdd = s.qdd;
+    c.kw1 = s.kw1;
+    c.kw2 = s.kw2;
+    c.kdd = s.kdd;
     return c;
   };
   return {side(g.pre, pre_w), side(g.post, post_w)};

@@ -22,7 +22,8 @@ class Error : public std::invalid_argument {
 /// nothing the call allocated is leaked, and a Workspace passed to it stays usable.
 class AllocationError : public std::bad_alloc {
  public:
-  explicit AllocationError(const std::string& what) : what_(std::make_shared<const std::string>(what)) {}
+  explicit AllocationError(const std::string& what)
+      : what_(std::make_shared<const std::string>(what)) {}
   const char* what() const noexcept override { return what_->c_str(); }
 
  private:

@@ -108,7 +108,8 @@ struct WorkspaceAccess {
    public:
     Use(const char* fn, Workspace& w) : w_(w) {
       if (w_.busy_.exchange(true, std::memory_order_acquire))
-        fail(fn, ": workspace: expected a Workspace no other call is using (keep one per calling "
+        fail(fn,
+             ": workspace: expected a Workspace no other call is using (keep one per calling "
              "thread), got one in use");
     }
     ~Use() { w_.busy_.store(false, std::memory_order_release); }
@@ -142,10 +143,12 @@ struct WorkspaceAccess {
   static S* shared(Workspace& w, int k, index_t count) {
     return w.blocks_[std::size_t(k)].template get<S>(count);
   }
-  /// Block k (< Workspace::kSlotsPerOwner) of thread `thread` (< the threads reserved), at least `count` values of S.
+  /// Block k (< Workspace::kSlotsPerOwner) of thread `thread` (< the threads reserved), at least
+  /// `count` values of S.
   template <class S>
   static S* per_thread(Workspace& w, int thread, int k, index_t count) {
-    return w.blocks_[std::size_t(1 + thread) * Workspace::kSlotsPerOwner + std::size_t(k)].template get<S>(count);
+    return w.blocks_[std::size_t(1 + thread) * Workspace::kSlotsPerOwner + std::size_t(k)]
+        .template get<S>(count);
   }
 };
 

@@ -17,11 +17,11 @@ namespace dcmha::fuzz {
 struct AnyView {
   std::string name;
   bool output = false;
-  const char* dims = "";      // one letter per dim, e.g. "BHTD", "BTGRM"
+  const char* dims = "";  // one letter per dim, e.g. "BHTD", "BTGRM"
   int rank = 0;
-  index_t* shape = nullptr;   // the view's own arrays
+  index_t* shape = nullptr;  // the view's own arrays
   index_t* stride = nullptr;
-  size_t elem = 0;            // bytes per element
+  size_t elem = 0;  // bytes per element
   std::function<unsigned char*()> data;
   std::function<void(unsigned char*)> set_data;
 

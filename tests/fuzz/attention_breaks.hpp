@@ -51,28 +51,48 @@ class AttentionBreaker {
  private:
   std::string dispatch(AttentionBreak kind, unsigned x, unsigned y) {
     switch (kind) {
-      case AttentionBreak::shape: return shape(x, y);
-      case AttentionBreak::compose_missing: return missing_term(x, y, false);
-      case AttentionBreak::compose_extra: return extra_term(x, y, false);
-      case AttentionBreak::dcompose_missing: return missing_term(x, y, dcompose_ != nullptr);
-      case AttentionBreak::dcompose_extra: return extra_term(x, y, dcompose_ != nullptr);
-      case AttentionBreak::compose_shape: return compose_shape(x, y);
-      case AttentionBreak::groups_not_dividing: return groups_not_dividing();
-      case AttentionBreak::kv_heads_not_dividing: return kv_heads_not_dividing();
-      case AttentionBreak::length_out_of_range: return length_out_of_range(x, y);
-      case AttentionBreak::negative_stride: return negative_stride(x, y);
-      case AttentionBreak::head_dim_not_contiguous: return head_dim_not_contiguous(x);
-      case AttentionBreak::output_overlaps_input: return output_overlaps_input(x, y);
-      case AttentionBreak::outputs_overlap: return outputs_overlap(x, y);
-      case AttentionBreak::output_self_overlap: return output_self_overlap(x, y);
-      case AttentionBreak::bad_config: return bad_config(x);
-      case AttentionBreak::missing_tensor: return missing_tensor(x);
-      case AttentionBreak::zero_size: return zero_size(x);
-      default: return "";
+      case AttentionBreak::shape:
+        return shape(x, y);
+      case AttentionBreak::compose_missing:
+        return missing_term(x, y, false);
+      case AttentionBreak::compose_extra:
+        return extra_term(x, y, false);
+      case AttentionBreak::dcompose_missing:
+        return missing_term(x, y, dcompose_ != nullptr);
+      case AttentionBreak::dcompose_extra:
+        return extra_term(x, y, dcompose_ != nullptr);
+      case AttentionBreak::compose_shape:
+        return compose_shape(x, y);
+      case AttentionBreak::groups_not_dividing:
+        return groups_not_dividing();
+      case AttentionBreak::kv_heads_not_dividing:
+        return kv_heads_not_dividing();
+      case AttentionBreak::length_out_of_range:
+        return length_out_of_range(x, y);
+      case AttentionBreak::negative_stride:
+        return negative_stride(x, y);
+      case AttentionBreak::head_dim_not_contiguous:
+        return head_dim_not_contiguous(x);
+      case AttentionBreak::output_overlaps_input:
+        return output_overlaps_input(x, y);
+      case AttentionBreak::outputs_overlap:
+        return outputs_overlap(x, y);
+      case AttentionBreak::output_self_overlap:
+        return output_self_overlap(x, y);
+      case AttentionBreak::bad_config:
+        return bad_config(x);
+      case AttentionBreak::missing_tensor:
+        return missing_tensor(x);
+      case AttentionBreak::zero_size:
+        return zero_size(x);
+      default:
+        return "";
     }
   }
 
-  bool is_activation(const AnyView& v) const { return v.rank == 4 && v.name.find('.') == std::string::npos; }
+  bool is_activation(const AnyView& v) const {
+    return v.rank == 4 && v.name.find('.') == std::string::npos;
+  }
 
   std::string shape(unsigned x, unsigned y) {
     std::vector<AnyView*> c;
@@ -84,8 +104,10 @@ class AttentionBreaker {
 
   /// The views of one term (0 static, 1 query-wise, 2 key-wise) of one side.
   std::vector<AnyView*> term_views(bool post, int term, bool grads) {
-    const std::string prefix = std::string(grads ? "dcompose." : "compose.") + (post ? "post." : "pre.");
-    static const char* const names[3][3] = {{"w", "", ""}, {"qw1", "qw2", "qdd"}, {"kw1", "kw2", "kdd"}};
+    const std::string prefix =
+        std::string(grads ? "dcompose." : "compose.") + (post ? "post." : "pre.");
+    static const char* const names[3][3] = {
+        {"w", "", ""}, {"qw1", "qw2", "qdd"}, {"kw1", "kw2", "kdd"}};
     std::vector<AnyView*> r;
     for (AnyView& v : views_)
       for (const char* n : names[term])
@@ -107,8 +129,9 @@ class AttentionBreaker {
       return v->name + " not given although its term is on";
     }
     if (grads) return extra_term(x, y, true);  // off: a gradient then is an extra one
-    switch_of(post, term) = true;               // off: switched on without tensors
-    return std::string(post ? "post" : "pre") + " term " + std::to_string(term) + " on without tensors";
+    switch_of(post, term) = true;              // off: switched on without tensors
+    return std::string(post ? "post" : "pre") + " term " + std::to_string(term) +
+           " on without tensors";
   }
 
   std::string extra_term(unsigned x, unsigned y, bool grads) {
@@ -117,14 +140,16 @@ class AttentionBreaker {
     if (switch_of(post, term)) {
       if (grads) return missing_term(x, y, true);
       switch_of(post, term) = false;  // on: switched off, its tensors still given
-      return std::string(post ? "post" : "pre") + " term " + std::to_string(term) + " off with its tensors given";
+      return std::string(post ? "post" : "pre") + " term " + std::to_string(term) +
+             " off with its tensors given";
     }
     // Off: one tensor of the right shape given for it (inputs' from the spec's ranks).
     const SideSpec& s = post ? a_.post : a_.pre;
     const ComposeShapes sh(s, a_.B, a_.T, a_.S, a_.G, a_.H / a_.G);
     AnyView* v = choose(term_views(post, term, grads), y / 3);
-    const index_t* shape = v->rank == 3 ? sh.w.data() : v->rank == 5 ? (term == 1 ? sh.qw.data() : sh.kw.data())
-                                                                      : (term == 1 ? sh.qdd.data() : sh.kdd.data());
+    const index_t* shape = v->rank == 3   ? sh.w.data()
+                           : v->rank == 5 ? (term == 1 ? sh.qw.data() : sh.kw.data())
+                                          : (term == 1 ? sh.qdd.data() : sh.kdd.data());
     place_dense(*v, shape, arena_);
     return v->name + " given although its term is off";
   }
@@ -165,13 +190,20 @@ class AttentionBreaker {
     const index_t limit = keys ? a_.S : a_.T;
     const std::vector<std::int64_t>& given_lengths = keys ? a_.klen : a_.qlen;
     index_t* p = arena_.alloc_elems<index_t>(a_.B + 1);
-    for (index_t b = 0; b <= a_.B; ++b) p[b] = given_lengths.empty() || b == a_.B ? limit : given_lengths[size_t(b)];
+    for (index_t b = 0; b <= a_.B; ++b)
+      p[b] = given_lengths.empty() || b == a_.B ? limit : given_lengths[size_t(b)];
     const index_t at = index_t(y / 4) % a_.B;
     index_t n = a_.B;
     switch (y % 4) {
-      case 0: p[at] = limit + 1; break;
-      case 1: p[at] = -1; break;
-      case 2: n = a_.B + 1; break;
+      case 0:
+        p[at] = limit + 1;
+        break;
+      case 1:
+        p[at] = -1;
+        break;
+      case 2:
+        n = a_.B + 1;
+        break;
       default:  // one value too few (or, for B = 1, one out of range)
         if (a_.B > 1)
           n = a_.B - 1;
@@ -232,11 +264,21 @@ class AttentionBreaker {
 
   std::string bad_config(unsigned x) {
     switch (x % 5) {
-      case 0: cfg_.window = -1 - index_t(x % 3); return "cfg.window = " + std::to_string(cfg_.window);
-      case 1: cfg_.num_threads = -1; return "cfg.num_threads = -1";
-      case 2: cfg_.scale = std::numeric_limits<double>::quiet_NaN(); return "cfg.scale = NaN";
-      case 3: cfg_.scale = std::numeric_limits<double>::infinity(); return "cfg.scale = inf";
-      default: cfg_.scale = -std::numeric_limits<double>::infinity(); return "cfg.scale = -inf";
+      case 0:
+        cfg_.window = -1 - index_t(x % 3);
+        return "cfg.window = " + std::to_string(cfg_.window);
+      case 1:
+        cfg_.num_threads = -1;
+        return "cfg.num_threads = -1";
+      case 2:
+        cfg_.scale = std::numeric_limits<double>::quiet_NaN();
+        return "cfg.scale = NaN";
+      case 3:
+        cfg_.scale = std::numeric_limits<double>::infinity();
+        return "cfg.scale = inf";
+      default:
+        cfg_.scale = -std::numeric_limits<double>::infinity();
+        return "cfg.scale = -inf";
     }
   }
 
@@ -292,10 +334,11 @@ std::vector<AnyView> views_of(ForwardCall<T>& c) {
 
 template <class T>
 std::vector<AnyView> views_of(BackwardCall<T>& c) {
-  std::vector<AnyView> v{any_view("q", c.q, false, "BHTD"),     any_view("k", c.k, false, "BHSD"),
-                         any_view("v", c.v, false, "BHSD"),     any_view("lse", c.lse, false, "BHT"),
-                         any_view("dout", c.dout, false, "BHTD"), any_view("dq", c.dq, true, "BHTD"),
-                         any_view("dk", c.dk, true, "BHSD"),    any_view("dv", c.dv, true, "BHSD")};
+  std::vector<AnyView> v{
+      any_view("q", c.q, false, "BHTD"),       any_view("k", c.k, false, "BHSD"),
+      any_view("v", c.v, false, "BHSD"),       any_view("lse", c.lse, false, "BHT"),
+      any_view("dout", c.dout, false, "BHTD"), any_view("dq", c.dq, true, "BHTD"),
+      any_view("dk", c.dk, true, "BHSD"),      any_view("dv", c.dv, true, "BHSD")};
   add_side_views(v, c.compose.pre, "compose.pre.", false);
   add_side_views(v, c.compose.post, "compose.post.", false);
   add_side_views(v, c.dcompose.pre, "dcompose.pre.", true);

@@ -43,8 +43,9 @@ inline void expect_keyless_rows_zero(const std::string& name, const reference::P
         for (std::int64_t e = 0; e < width; ++e) {
           const double v = x[size_t(((b * p.H + h) * p.T + t) * width + e)];
           if (v != 0.0)
-            mismatch(name + ": row b" + std::to_string(b) + " h" + std::to_string(h) + " t" + std::to_string(t) +
-                     " sees no key but element " + std::to_string(e) + " = " + num(v) + " (expected exactly 0)");
+            mismatch(name + ": row b" + std::to_string(b) + " h" + std::to_string(h) + " t" +
+                     std::to_string(t) + " sees no key but element " + std::to_string(e) + " = " +
+                     num(v) + " (expected exactly 0)");
         }
     }
 }
@@ -59,18 +60,21 @@ inline void expect_padding_keys_zero(const std::string& name, const reference::P
         for (std::int64_t e = 0; e < width; ++e) {
           const double v = x[size_t(((b * p.Hk + h) * p.S + s) * width + e)];
           if (v != 0.0)
-            mismatch(name + ": padding key b" + std::to_string(b) + " h" + std::to_string(h) + " s" +
-                     std::to_string(s) + " element " + std::to_string(e) + " = " + num(v) + " (expected exactly 0)");
+            mismatch(name + ": padding key b" + std::to_string(b) + " h" + std::to_string(h) +
+                     " s" + std::to_string(s) + " element " + std::to_string(e) + " = " + num(v) +
+                     " (expected exactly 0)");
         }
 }
 
 /// bf16 storage's result must be the float result rounded once.
-inline void expect_rounded(const std::string& name, const std::vector<double>& f, const std::vector<double>& h) {
+inline void expect_rounded(const std::string& name, const std::vector<double>& f,
+                           const std::vector<double>& h) {
   if (f.size() != h.size()) mismatch(name + ": bf16 and float results differ in size");
   for (size_t i = 0; i < f.size(); ++i)
     if (!(round_to_bf16(f[i]) == h[i]))
       mismatch(name + ": bf16 storage element " + std::to_string(i) + " = " + num(h[i]) +
-               ", the float result rounded to bf16 = " + num(round_to_bf16(f[i])) + " (float " + num(f[i]) + ")");
+               ", the float result rounded to bf16 = " + num(round_to_bf16(f[i])) + " (float " +
+               num(f[i]) + ")");
 }
 
 template <class X>
@@ -83,26 +87,31 @@ struct ForwardResult {
 };
 
 /// The reference's out, and lse: the log of the sum of exp over each row's visible composed
-/// scores (NaN for a row without keys, whose lse the contract leaves open and which is not compared).
+/// scores (NaN for a row without keys, whose lse the contract leaves open and which is not
+/// compared).
 inline ForwardResult reference_forward(const reference::Problem& p) {
-  ForwardResult r{reference::forward(p), std::vector<double>(size_t(p.B * p.H * p.T), std::nan(""))};
+  ForwardResult r{reference::forward(p),
+                  std::vector<double>(size_t(p.B * p.H * p.T), std::nan(""))};
   const reference::detail::Intermediates it = reference::detail::forward_intermediates(p);
   for (std::int64_t b = 0; b < p.B; ++b)
     for (std::int64_t h = 0; h < p.H; ++h)
       for (std::int64_t t = 0; t < p.T; ++t) {
         double mx = -INFINITY, sum = 0;
         for (std::int64_t s = 0; s < p.S; ++s)
-          if (reference::detail::visible(p, b, t, s)) mx = std::max(mx, it.Lc[size_t(reference::detail::at_bhts(p, b, h, t, s))]);
+          if (reference::detail::visible(p, b, t, s))
+            mx = std::max(mx, it.Lc[size_t(reference::detail::at_bhts(p, b, h, t, s))]);
         if (mx == -INFINITY) continue;
         for (std::int64_t s = 0; s < p.S; ++s)
-          if (reference::detail::visible(p, b, t, s)) sum += std::exp(it.Lc[size_t(reference::detail::at_bhts(p, b, h, t, s))] - mx);
+          if (reference::detail::visible(p, b, t, s))
+            sum += std::exp(it.Lc[size_t(reference::detail::at_bhts(p, b, h, t, s))] - mx);
         r.lse[size_t((b * p.H + h) * p.T + t)] = mx + std::log(sum);
       }
   return r;
 }
 
 /// lse of the rows that see keys against the reference's.
-inline void expect_lse_close(const std::vector<double>& want, const std::vector<double>& got, double tol) {
+inline void expect_lse_close(const std::vector<double>& want, const std::vector<double>& got,
+                             double tol) {
   std::vector<double> w, g;
   for (size_t i = 0; i < want.size(); ++i)
     if (!std::isnan(want[i])) w.push_back(want[i]), g.push_back(got[i]);
@@ -110,7 +119,8 @@ inline void expect_lse_close(const std::vector<double>& want, const std::vector<
 }
 
 template <class T>
-ForwardResult run_forward(const FuzzCase& c, const reference::Problem& p, const ForwardResult* want) {
+ForwardResult run_forward(const FuzzCase& c, const reference::Problem& p,
+                          const ForwardResult* want) {
   AttentionTensors<T> t(c.attn, p, {}, c.seed);
   Workspace ws;
   Workspace* w = c.attn.workspace ? &ws : nullptr;
@@ -126,7 +136,8 @@ ForwardResult run_forward(const FuzzCase& c, const reference::Problem& p, const 
   expect_untouched_outside("lse", t.lse);
   if (w) {  // again, through the buffers the first call left in the Workspace: the same bits
     expect_success("forward (second call)", [&] { call.run(w); });
-    if (t.act[kOut].get() != r.out) mismatch("out: a second call through the same Workspace differs");
+    if (t.act[kOut].get() != r.out)
+      mismatch("out: a second call through the same Workspace differs");
   }
   return r;
 }
@@ -145,7 +156,8 @@ inline void check_forward(const FuzzCase& c) {
     expect_rounded("out", f.out, h.out);
     for (size_t i = 0; i < f.lse.size(); ++i)
       if (!(f.lse[i] == h.lse[i]) && !(std::isnan(f.lse[i]) && std::isnan(h.lse[i])))
-        mismatch("lse: bf16 storage element " + std::to_string(i) + " = " + num(h.lse[i]) + ", float " + num(f.lse[i]));
+        mismatch("lse: bf16 storage element " + std::to_string(i) + " = " + num(h.lse[i]) +
+                 ", float " + num(f.lse[i]));
   }
 }
 
@@ -154,7 +166,8 @@ inline std::vector<double> random_dout(const reference::Problem& p, std::uint64_
 }
 
 template <class T>
-reference::Gradients run_backward(const FuzzCase& c, const reference::Problem& p, const std::vector<double>& dout,
+reference::Gradients run_backward(const FuzzCase& c, const reference::Problem& p,
+                                  const std::vector<double>& dout,
                                   const reference::Gradients* want) {
   AttentionTensors<T> t(c.attn, p, dout, c.seed);
   Workspace ws;
@@ -165,7 +178,8 @@ reference::Gradients run_backward(const FuzzCase& c, const reference::Problem& p
   if (want) {
     const auto e = test::named_gradients(*want);
     const auto g = test::named_gradients(got);
-    for (size_t i = 0; i < e.size(); ++i) expect_close(e[i].first, *e[i].second, *g[i].second, tolerance<T>());
+    for (size_t i = 0; i < e.size(); ++i)
+      expect_close(e[i].first, *e[i].second, *g[i].second, tolerance<T>());
   }
   expect_keyless_rows_zero("grad_q", p, got.dq, p.D);
   expect_padding_keys_zero("grad_k", p, got.dk, p.D);
@@ -194,7 +208,8 @@ inline void check_backward(const FuzzCase& c) {
     const reference::Gradients h = run_backward<bf16>(c, p, dout, nullptr);
     const auto fs = test::named_gradients(f);
     const auto hs = test::named_gradients(h);
-    for (size_t i = 0; i < fs.size(); ++i) expect_rounded(fs[i].first, *fs[i].second, *hs[i].second);
+    for (size_t i = 0; i < fs.size(); ++i)
+      expect_rounded(fs[i].first, *fs[i].second, *hs[i].second);
   }
 }
 
@@ -203,7 +218,8 @@ inline void check_backward(const FuzzCase& c) {
 /// The call must throw dcmha::Error and leave every output (and every arena buffer a break
 /// moved an argument into) byte for byte as it was.
 template <class T, class F>
-void expect_rejected(const std::string& what, const AttentionTensors<T>& t, bool backward, const Arena& arena, F&& call) {
+void expect_rejected(const std::string& what, const AttentionTensors<T>& t, bool backward,
+                     const Arena& arena, F&& call) {
   const auto outputs = t.output_bytes(backward);
   const auto moved = arena.snapshot();
   expect_error(what, call);
@@ -215,21 +231,25 @@ template <class T>
 void check_invalid_attention(const FuzzCase& c) {
   const reference::Problem p = attention_problem(c.attn, c.seed);
   const bool backward = c.op == Op::backward;
-  AttentionTensors<T> t(c.attn, p, backward ? random_dout(p, c.seed) : std::vector<double>{}, c.seed);
+  AttentionTensors<T> t(c.attn, p, backward ? random_dout(p, c.seed) : std::vector<double>{},
+                        c.seed);
   Workspace ws;
   Workspace* w = c.attn.workspace ? &ws : nullptr;
   Arena arena;
   if (!backward) {
     ForwardCall<T> call = t.forward_call(c.threads);
     std::vector<AnyView> views = views_of(call);
-    const std::string what = AttentionBreaker<T>(c.attn, call.cfg, call.compose, nullptr, views, arena).apply(c.brk);
+    const std::string what =
+        AttentionBreaker<T>(c.attn, call.cfg, call.compose, nullptr, views, arena).apply(c.brk);
     expect_rejected("forward with " + what, t, false, arena, [&] { call.run(w); });
     return;
   }
   expect_success("forward (before a broken backward)", [&] { t.forward_call(c.threads).run(w); });
   BackwardCall<T> call = t.backward_call(c.threads);
   std::vector<AnyView> views = views_of(call);
-  const std::string what = AttentionBreaker<T>(c.attn, call.cfg, call.compose, &call.dcompose, views, arena).apply(c.brk);
+  const std::string what =
+      AttentionBreaker<T>(c.attn, call.cfg, call.compose, &call.dcompose, views, arena)
+          .apply(c.brk);
   expect_rejected("backward with " + what, t, true, arena, [&] { call.run(w); });
 }
 

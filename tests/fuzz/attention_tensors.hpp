@@ -30,7 +30,8 @@ struct ComposeShapes {
 };
 
 template <class T>
-ComposeBuffers<T> compose_buffers(const SideSpec& s, const ComposeShapes& sh, Rng& rng, std::uint8_t kind) {
+ComposeBuffers<T> compose_buffers(const SideSpec& s, const ComposeShapes& sh, Rng& rng,
+                                  std::uint8_t kind) {
   ComposeBuffers<T> c;
   if (s.static_w) c.w = Strided<T, 3>(sh.w, seeded_layout<3>(rng, kind));
   if (s.query_wise) {
@@ -119,12 +120,13 @@ struct BackwardCall {
 template <class T>
 class AttentionTensors {
  public:
-  AttentionTensors(const AttentionCase& a, const reference::Problem& p, const std::vector<double>& dout,
-                   std::uint64_t seed)
+  AttentionTensors(const AttentionCase& a, const reference::Problem& p,
+                   const std::vector<double>& dout, std::uint64_t seed)
       : a_(a), qlen_(a.qlen.begin(), a.qlen.end()), klen_(a.klen.begin(), a.klen.end()) {
-    const Shape<4> shapes[kActs] = {{a.B, a.H, a.T, a.D},  {a.B, a.Hk, a.S, a.D}, {a.B, a.Hk, a.S, a.Dv},
-                                    {a.B, a.H, a.T, a.Dv}, {a.B, a.H, a.T, a.Dv}, {a.B, a.H, a.T, a.D},
-                                    {a.B, a.Hk, a.S, a.D}, {a.B, a.Hk, a.S, a.Dv}};
+    const Shape<4> shapes[kActs] = {{a.B, a.H, a.T, a.D},   {a.B, a.Hk, a.S, a.D},
+                                    {a.B, a.Hk, a.S, a.Dv}, {a.B, a.H, a.T, a.Dv},
+                                    {a.B, a.H, a.T, a.Dv},  {a.B, a.H, a.T, a.D},
+                                    {a.B, a.Hk, a.S, a.D},  {a.B, a.Hk, a.S, a.Dv}};
     for (int i = 0; i < kActs; ++i) act[size_t(i)] = Strided<T, 4>(shapes[i], a.act[size_t(i)]);
     if (a.with_lse) lse = Strided<acc_t<T>, 3>({a.B, a.H, a.T}, a.lse);
     act[kQ].set(p.q);
@@ -154,16 +156,19 @@ class AttentionTensors {
     if (!klen_.empty()) c.key_lengths = view<1>(klen_.data(), {a_.B});
     return c;
   }
-  ComposeWeights<T> compose() const { return {terms_of(a_.pre, side[0]), terms_of(a_.post, side[1])}; }
+  ComposeWeights<T> compose() const {
+    return {terms_of(a_.pre, side[0]), terms_of(a_.post, side[1])};
+  }
   ComposeGrads<T> dcompose() const { return {grads_of(grad[0]), grads_of(grad[1])}; }
 
   ForwardCall<T> forward_call(int threads) const {
-    return {config(threads), act[kQ].cview(), act[kK].cview(), act[kV].cview(), act[kOut].view(),
-            lse.view(), compose()};
+    return {config(threads),  act[kQ].cview(), act[kK].cview(), act[kV].cview(),
+            act[kOut].view(), lse.view(),      compose()};
   }
   BackwardCall<T> backward_call(int threads) const {
-    return {config(threads), act[kQ].cview(), act[kK].cview(), act[kV].cview(), lse.view(),
-            act[kDout].cview(), act[kDq].view(), act[kDk].view(), act[kDv].view(), compose(), dcompose()};
+    return {config(threads), act[kQ].cview(),    act[kK].cview(), act[kV].cview(),
+            lse.view(),      act[kDout].cview(), act[kDq].view(), act[kDk].view(),
+            act[kDv].view(), compose(),          dcompose()};
   }
 
   /// The gradients written, in the reference's layout (switched-on terms only).
@@ -177,8 +182,12 @@ class AttentionTensors {
     reference::ComposeSide* out[2] = {&g.dpre, &g.dpost};
     for (int s = 0; s < 2; ++s) {
       if (!grad[s].w.empty()) out[s]->w = grad[s].w.get();
-      if (!grad[s].qw1.empty()) out[s]->qw1 = grad[s].qw1.get(), out[s]->qw2 = grad[s].qw2.get(), out[s]->qdd = grad[s].qdd.get();
-      if (!grad[s].kw1.empty()) out[s]->kw1 = grad[s].kw1.get(), out[s]->kw2 = grad[s].kw2.get(), out[s]->kdd = grad[s].kdd.get();
+      if (!grad[s].qw1.empty())
+        out[s]->qw1 = grad[s].qw1.get(), out[s]->qw2 = grad[s].qw2.get(),
+        out[s]->qdd = grad[s].qdd.get();
+      if (!grad[s].kw1.empty())
+        out[s]->kw1 = grad[s].kw1.get(), out[s]->kw2 = grad[s].kw2.get(),
+        out[s]->kdd = grad[s].kdd.get();
     }
     return g;
   }
@@ -192,7 +201,8 @@ class AttentionTensors {
       return all;
     }
     for (int i : {kDq, kDk, kDv}) all.push_back(act[size_t(i)].bytes());
-    for (const auto& g : grad) for_each_buffer(g, [&](const char*, const auto& b) { all.push_back(b.bytes()); });
+    for (const auto& g : grad)
+      for_each_buffer(g, [&](const char*, const auto& b) { all.push_back(b.bytes()); });
     return all;
   }
 

@@ -16,19 +16,19 @@
 namespace dcmha::fuzz {
 
 enum class DecodeBreak {
-  decode_without_append,   // decode on a fresh cache of the same config
-  append_past_capacity,    // a global cache: one sequence one token past its capacity
-  append_too_many,         // n = max_step + 1
-  counts_out_of_range,     // a count < 0 or > n, or B +- 1 of them
-  append_shape,            // one dim of k_new, v_new or a key-wise tensor off by one
-  key_side_switch,         // key_side's switches not the cache's, or static / query-wise terms in it
-  decode_mask_full,        // cfg.mask = Mask::full
-  decode_window,           // cfg.window neither 0 nor the cache's
-  decode_lengths,          // cfg.query_lengths or key_lengths given
-  q_new_shape,             // one dim of q_new off by one (n: not the last append's)
-  query_side_key_wise,     // query_side with key-wise terms on
-  query_side_group,        // query_side with another G than the cache's
-  out_overlaps_cache,      // decode's output inside the cache's memory (or inside q_new)
+  decode_without_append,  // decode on a fresh cache of the same config
+  append_past_capacity,   // a global cache: one sequence one token past its capacity
+  append_too_many,        // n = max_step + 1
+  counts_out_of_range,    // a count < 0 or > n, or B +- 1 of them
+  append_shape,           // one dim of k_new, v_new or a key-wise tensor off by one
+  key_side_switch,        // key_side's switches not the cache's, or static / query-wise terms in it
+  decode_mask_full,       // cfg.mask = Mask::full
+  decode_window,          // cfg.window neither 0 nor the cache's
+  decode_lengths,         // cfg.query_lengths or key_lengths given
+  q_new_shape,            // one dim of q_new off by one (n: not the last append's)
+  query_side_key_wise,    // query_side with key-wise terms on
+  query_side_group,       // query_side with another G than the cache's
+  out_overlaps_cache,     // decode's output inside the cache's memory (or inside q_new)
   append_negative_stride,  // k_new, v_new or a key-wise tensor walked backwards
   out_shape,               // one dim of out off by one, or its head dim strided
   count
@@ -57,31 +57,47 @@ class DecodeBreaker {
            k == DecodeBreak::key_side_switch || k == DecodeBreak::append_negative_stride;
   }
 
-  // --- append -------------------------------------------------------------------------------------
+  // --- append
+  // -------------------------------------------------------------------------------------
 
   void broken_append(DecodeBreak kind) {
     const DecodeCacheConfig& cc = run_.config();
     std::int64_t n = 1 + b_.a % cc.max_step;
     std::vector<std::int64_t> counts(size_t(d_.B), n);
-    if (kind == DecodeBreak::append_past_capacity && !past_capacity(n, counts)) kind = DecodeBreak::append_too_many;
+    if (kind == DecodeBreak::append_past_capacity && !past_capacity(n, counts))
+      kind = DecodeBreak::append_too_many;
     if (kind == DecodeBreak::append_too_many) n = cc.max_step + 1, counts.assign(size_t(d_.B), n);
-    std::unique_ptr<StepTensors<T>> s = run_.make_step(n, counts, kind == DecodeBreak::append_past_capacity);
+    std::unique_ptr<StepTensors<T>> s =
+        run_.make_step(n, counts, kind == DecodeBreak::append_past_capacity);
     TensorView<const T, 4> k = s->k.cview(), v = s->v.cview();
     ComposeWeights<T> key_side = s->key_side();
     TensorView<const index_t, 1> cv = s->counts_view();
-    std::vector<AnyView> views{any_view("k_new", k, false, "BHnD"), any_view("v_new", v, false, "BHnD")};
+    std::vector<AnyView> views{any_view("k_new", k, false, "BHnD"),
+                               any_view("v_new", v, false, "BHnD")};
     add_key_views(views, key_side);
     switch (kind) {
-      case DecodeBreak::append_past_capacity: what_ = "one sequence one token past its capacity"; break;
-      case DecodeBreak::append_too_many: what_ = "n = max_step + 1 = " + std::to_string(n); break;
-      case DecodeBreak::append_shape: what_ = resize_some(views); break;
-      case DecodeBreak::key_side_switch: what_ = bad_key_side(key_side, views, n); break;
-      case DecodeBreak::append_negative_stride: what_ = reverse_some(views); break;
-      default: break;
+      case DecodeBreak::append_past_capacity:
+        what_ = "one sequence one token past its capacity";
+        break;
+      case DecodeBreak::append_too_many:
+        what_ = "n = max_step + 1 = " + std::to_string(n);
+        break;
+      case DecodeBreak::append_shape:
+        what_ = resize_some(views);
+        break;
+      case DecodeBreak::key_side_switch:
+        what_ = bad_key_side(key_side, views, n);
+        break;
+      case DecodeBreak::append_negative_stride:
+        what_ = reverse_some(views);
+        break;
+      default:
+        break;
     }
     if (what_.empty()) what_ = bad_counts(n, cv);
     const auto moved = arena_.snapshot();
-    expect_error("DecodeCache::append with " + what_, [&] { run_.cache().append(k, v, key_side, cv); });
+    expect_error("DecodeCache::append with " + what_,
+                 [&] { run_.cache().append(k, v, key_side, cv); });
     if (!arena_.same_as(moved)) mismatch(what_ + ": the rejected append wrote to its arguments");
   }
 
@@ -105,9 +121,15 @@ class DecodeBreaker {
     const std::int64_t at = b_.b / 4 % d_.B;
     std::int64_t size = d_.B;
     switch (b_.b % 4) {
-      case 0: p[at] = n + 1; break;
-      case 1: p[at] = -1; break;
-      case 2: size = d_.B + 1; break;
+      case 0:
+        p[at] = n + 1;
+        break;
+      case 1:
+        p[at] = -1;
+        break;
+      case 2:
+        size = d_.B + 1;
+        break;
       default:
         if (d_.B > 1)
           size = d_.B - 1;
@@ -116,7 +138,8 @@ class DecodeBreaker {
         break;
     }
     cv = view<1>(static_cast<const index_t*>(p), {size});
-    return "counts: " + std::to_string(size) + " values, [" + std::to_string(at) + "] = " + std::to_string(p[at]);
+    return "counts: " + std::to_string(size) + " values, [" + std::to_string(at) +
+           "] = " + std::to_string(p[at]);
   }
 
   static void add_key_views(std::vector<AnyView>& views, ComposeWeights<T>& ks) {
@@ -168,7 +191,8 @@ class DecodeBreaker {
     }
   }
 
-  // --- decode -------------------------------------------------------------------------------------
+  // --- decode
+  // -------------------------------------------------------------------------------------
 
   void broken_decode(DecodeBreak kind) {
     const StepTensors<T>* last = run_.last();
@@ -195,30 +219,38 @@ class DecodeBreaker {
     } else {
       expect_error("decode with " + what_, [&] { run_.decode_into(cfg, q, qs, out); });
     }
-    if (out_buf.bytes() != before || !arena_.same_as(moved)) mismatch(what_ + ": the rejected decode wrote its output");
+    if (out_buf.bytes() != before || !arena_.same_as(moved))
+      mismatch(what_ + ": the rejected decode wrote its output");
   }
 
   std::string break_decode_args(DecodeBreak kind, AttentionConfig& cfg, TensorView<const T, 4>& q,
                                 ComposeWeights<T>& qs, TensorView<T, 4>& out, std::int64_t n) {
     AnyView qv = any_view("q_new", q, false, "BHnD"), ov = any_view("out", out, true, "BHnD");
     switch (kind) {
-      case DecodeBreak::decode_without_append: return "a fresh cache (no append)";
-      case DecodeBreak::decode_mask_full: cfg.mask = Mask::full; return "cfg.mask = full";
+      case DecodeBreak::decode_without_append:
+        return "a fresh cache (no append)";
+      case DecodeBreak::decode_mask_full:
+        cfg.mask = Mask::full;
+        return "cfg.mask = full";
       case DecodeBreak::decode_window:
         cfg.window = d_.window + 1 + b_.a % 3;
         return "cfg.window = " + std::to_string(cfg.window);
       case DecodeBreak::decode_lengths: {
         index_t* p = arena_.alloc_elems<index_t>(d_.B);
         for (std::int64_t b = 0; b < d_.B; ++b) p[b] = run_.cache().kept(b);
-        (b_.a & 1 ? cfg.query_lengths : cfg.key_lengths) = view<1>(static_cast<const index_t*>(p), {d_.B});
+        (b_.a & 1 ? cfg.query_lengths : cfg.key_lengths) =
+            view<1>(static_cast<const index_t*>(p), {d_.B});
         return b_.a & 1 ? "cfg.query_lengths given" : "cfg.key_lengths given";
       }
-      case DecodeBreak::q_new_shape: return resize_dim(qv, int(b_.b % 4));
+      case DecodeBreak::q_new_shape:
+        return resize_dim(qv, int(b_.b % 4));
       case DecodeBreak::query_side_key_wise:
         (b_.a & 1 ? qs.post : qs.pre).key_wise = true;
         return "query_side key_wise on";
-      case DecodeBreak::query_side_group: return other_group(qs);
-      case DecodeBreak::out_overlaps_cache: return out_in_cache(qv, ov, n);
+      case DecodeBreak::query_side_group:
+        return other_group(qs);
+      case DecodeBreak::out_overlaps_cache:
+        return out_in_cache(qv, ov, n);
       default:
         if ((b_.b & 4) && d_.Dv > 1) {
           out.stride[3] = 2;
@@ -245,7 +277,8 @@ class DecodeBreaker {
 
   std::string out_in_cache(AnyView& q, AnyView& out, std::int64_t n) {
     const index_t need = d_.B * d_.H * n * d_.Dv;
-    if (DecodeCache<T>::required_elements(run_.config()) < need) return overlap(q, out, arena_, false);
+    if (DecodeCache<T>::required_elements(run_.config()) < need)
+      return overlap(q, out, arena_, false);
     index_t run = 1;
     for (int d = 3; d >= 0; --d) out.stride[d] = run, run *= out.shape[d];
     out.set_data(reinterpret_cast<unsigned char*>(run_.cache().k_slots().data));
@@ -261,13 +294,27 @@ class DecodeBreaker {
 
 // --- the cache's config -----------------------------------------------------------------------
 
-enum class ConfigBreak { kv_heads, groups, rank, window_with_capacity, no_capacity, no_max_step, small_buffer, negative_window, count };
+enum class ConfigBreak {
+  kv_heads,
+  groups,
+  rank,
+  window_with_capacity,
+  no_capacity,
+  no_max_step,
+  small_buffer,
+  negative_window,
+  count
+};
 static_assert(int(ConfigBreak::count) == kConfigBreakKinds, "decode_input.hpp's count");
 
 inline std::string break_config(DecodeCacheConfig& cc, const Break& b) {
   switch (ConfigBreak(b.kind)) {
-    case ConfigBreak::kv_heads: cc.Hk = non_divisor_of(cc.H); return "config.Hk = " + std::to_string(cc.Hk);
-    case ConfigBreak::groups: cc.G = non_divisor_of(cc.H); return "config.G = " + std::to_string(cc.G);
+    case ConfigBreak::kv_heads:
+      cc.Hk = non_divisor_of(cc.H);
+      return "config.Hk = " + std::to_string(cc.Hk);
+    case ConfigBreak::groups:
+      cc.G = non_divisor_of(cc.H);
+      return "config.G = " + std::to_string(cc.G);
     case ConfigBreak::rank:
       cc.Rk = cc.pre_key_wise || cc.post_key_wise ? 0 : 1 + b.a % 2;
       return "config.Rk = " + std::to_string(cc.Rk);
@@ -277,9 +324,14 @@ inline std::string break_config(DecodeCacheConfig& cc, const Break& b) {
     case ConfigBreak::no_capacity:
       cc.window = 0, cc.capacity = -(b.a % 2);
       return "config.capacity = " + std::to_string(cc.capacity) + " for a global layer";
-    case ConfigBreak::no_max_step: cc.max_step = -(b.a % 2); return "config.max_step = " + std::to_string(cc.max_step);
-    case ConfigBreak::negative_window: cc.window = -1 - b.a % 3; return "config.window = " + std::to_string(cc.window);
-    default: return "";
+    case ConfigBreak::no_max_step:
+      cc.max_step = -(b.a % 2);
+      return "config.max_step = " + std::to_string(cc.max_step);
+    case ConfigBreak::negative_window:
+      cc.window = -1 - b.a % 3;
+      return "config.window = " + std::to_string(cc.window);
+    default:
+      return "";
   }
 }
 
@@ -291,18 +343,22 @@ void check_config_break(const FuzzCase& c) {
   const std::string what = break_config(cc, c.dec.config_break);
   if (!what.empty()) {
     expect_error("DecodeCache with " + what, [&] { DecodeCache<T> cache(cc); });
-    expect_error("DecodeCache::required_elements with " + what, [&] { DecodeCache<T>::required_elements(cc); });
+    expect_error("DecodeCache::required_elements with " + what,
+                 [&] { DecodeCache<T>::required_elements(cc); });
     std::vector<T> buf(64, T(0.5));
-    expect_error("DecodeCache (caller memory) with " + what, [&] { DecodeCache<T> cache(cc, buf.data(), index_t(buf.size())); });
+    expect_error("DecodeCache (caller memory) with " + what,
+                 [&] { DecodeCache<T> cache(cc, buf.data(), index_t(buf.size())); });
     return;
   }
   const index_t need = DecodeCache<T>::required_elements(cc);
   std::vector<T> buf(size_t(need), T(0.5));
   const std::vector<T> before = buf;
   if (c.dec.config_break.a & 1)
-    expect_error("DecodeCache with a null buffer", [&] { DecodeCache<T> cache(cc, nullptr, need); });
+    expect_error("DecodeCache with a null buffer",
+                 [&] { DecodeCache<T> cache(cc, nullptr, need); });
   else
-    expect_error("DecodeCache with a buffer one element short", [&] { DecodeCache<T> cache(cc, buf.data(), need - 1); });
+    expect_error("DecodeCache with a buffer one element short",
+                 [&] { DecodeCache<T> cache(cc, buf.data(), need - 1); });
   if (buf != before) mismatch("a rejected DecodeCache wrote to the caller's buffer");
 }
 
@@ -316,10 +372,18 @@ void run_decode_case(const FuzzCase& c) {
     const DecodeStep& st = c.dec.steps[i];
     current_problem() = problem + " (at step " + std::to_string(i) + ")";
     switch (st.kind) {
-      case DecodeStep::append: run.append(st); break;
-      case DecodeStep::repeat: run.repeat(); break;
-      case DecodeStep::reset: run.reset(i); break;
-      case DecodeStep::broken: DecodeBreaker<T>(run, st.brk).apply(); break;
+      case DecodeStep::append:
+        run.append(st);
+        break;
+      case DecodeStep::repeat:
+        run.repeat();
+        break;
+      case DecodeStep::reset:
+        run.reset(i);
+        break;
+      case DecodeStep::broken:
+        DecodeBreaker<T>(run, st.brk).apply();
+        break;
     }
   }
 }

@@ -53,7 +53,8 @@ inline double pair_cost(std::int64_t H, std::int64_t D, std::int64_t Dv, std::in
                         const SideSpec& pre, const SideSpec& post) {
   auto side = [&](const SideSpec& s) {
     if (!s.enabled()) return 0.0;
-    const double terms = (s.static_w ? 1 : 0) + (s.query_wise ? s.Rq + 1 : 0) + (s.key_wise ? s.Rk + 1 : 0);
+    const double terms =
+        (s.static_w ? 1 : 0) + (s.query_wise ? s.Rq + 1 : 0) + (s.key_wise ? s.Rk + 1 : 0);
     return double(H) * (double(M) * terms + 20);
   };
   return 60 + double(H) * double(D + Dv) + side(pre) + side(post);
@@ -68,13 +69,15 @@ class CaseDecoder {
     c.op = Op(in_.byte() % 4);
     c.scalar = Scalar(in_.byte() % 3);
     // bf16 storage exists for forward and backward only.
-    if ((c.op == Op::decode || c.op == Op::projection) && c.scalar == Scalar::bf16) c.scalar = Scalar::f32;
+    if ((c.op == Op::decode || c.op == Op::projection) && c.scalar == Scalar::bf16)
+      c.scalar = Scalar::f32;
     c.threads = 1 + in_.byte() % 3;
     c.seed = in_.u32();
     if (c.op == Op::forward || c.op == Op::backward) read_attention(c.attn, c.op);
     if (c.op == Op::decode) read_decode(c.dec);
     if (c.op == Op::projection) read_projection(c.proj);
-    if (c.op != Op::decode) c.brk = read_break(c.op == Op::projection ? kProjectionBreakKinds : kAttentionBreakKinds, 36);
+    if (c.op != Op::decode)
+      c.brk = read_break(c.op == Op::projection ? kProjectionBreakKinds : kAttentionBreakKinds, 36);
     return c;
   }
 
@@ -140,8 +143,8 @@ class CaseDecoder {
   }
 
   std::int64_t edge_length() {
-    return in_.pick<std::int64_t>({1, 2, 7, 8, 9, 31, 32, 33, 47, 48, 63, 64, 65, 96, 127, 128,
-                                   129, 150, 160, 255, 256, 257, 300});
+    return in_.pick<std::int64_t>({1,  2,  7,   8,   9,   31,  32,  33,  47,  48,  63, 64,
+                                   65, 96, 127, 128, 129, 150, 160, 255, 256, 257, 300});
   }
 
   SideSpec read_side() {
@@ -201,7 +204,9 @@ class CaseDecoder {
     const std::uint8_t kind = in_.byte();
     MemLayout<N> l = MemLayout<N>::dense();
     switch (kind % 8) {
-      case 3: case 4: case 6:  // dims 1 and 2 swapped: (B, T, H, D) in memory
+      case 3:
+      case 4:
+      case 6:  // dims 1 and 2 swapped: (B, T, H, D) in memory
         std::swap(l.order[1], l.order[2]);
         break;
       case 7: {  // a permutation, from one byte
@@ -283,7 +288,8 @@ class CaseDecoder {
       if (kind == 1) st.kind = DecodeStep::repeat;
       if (kind == 2 || kind == 3) st.kind = DecodeStep::broken;
       if (st.kind == DecodeStep::reset) std::fill(len.begin(), len.end(), 0);
-      if (st.kind == DecodeStep::broken) st.brk = {in_.byte() % kDecodeBreakKinds, in_.byte(), in_.byte()};
+      if (st.kind == DecodeStep::broken)
+        st.brk = {in_.byte() % kDecodeBreakKinds, in_.byte(), in_.byte()};
       if (st.kind == DecodeStep::append && !read_append(d, st, len, token_cap)) break;
       d.steps.push_back(st);
     }

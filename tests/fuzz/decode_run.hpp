@@ -27,9 +27,11 @@ namespace dcmha::fuzz {
 /// Positions [start[b], start[b] + count[b]) of dim `td` of a canonical tensor of `shape`, into a
 /// dense one whose dim td has n entries; everything else (padding, or a position the source does
 /// not have) is `fill`.
-inline std::vector<double> gather_tokens(const std::vector<double>& src, const std::vector<std::int64_t>& shape,
-                                         int td, const std::vector<std::int64_t>& start,
-                                         const std::vector<std::int64_t>& count, std::int64_t n, double fill) {
+inline std::vector<double> gather_tokens(const std::vector<double>& src,
+                                         const std::vector<std::int64_t>& shape, int td,
+                                         const std::vector<std::int64_t>& start,
+                                         const std::vector<std::int64_t>& count, std::int64_t n,
+                                         double fill) {
   std::vector<std::int64_t> out_shape = shape;
   out_shape[size_t(td)] = n;
   std::int64_t total = 1;
@@ -40,7 +42,8 @@ inline std::vector<double> gather_tokens(const std::vector<double>& src, const s
     const std::int64_t b = idx[0], i = idx[size_t(td)], pos = start[size_t(b)] + i;
     if (i < count[size_t(b)] && pos < shape[size_t(td)]) {
       std::int64_t off = 0;
-      for (size_t d = 0; d < shape.size(); ++d) off = off * shape[d] + (int(d) == td ? pos : idx[d]);
+      for (size_t d = 0; d < shape.size(); ++d)
+        off = off * shape[d] + (int(d) == td ? pos : idx[d]);
       out[size_t(flat)] = src[size_t(off)];
     }
     for (int d = int(shape.size()) - 1; d >= 0; --d) {
@@ -53,7 +56,13 @@ inline std::vector<double> gather_tokens(const std::vector<double>& src, const s
 
 inline DecodeCacheConfig cache_config(const DecodeCase& d) {
   DecodeCacheConfig c;
-  c.B = d.B; c.H = d.H; c.Hk = d.Hk; c.D = d.D; c.Dv = d.Dv; c.G = d.G; c.Rk = d.Rk;
+  c.B = d.B;
+  c.H = d.H;
+  c.Hk = d.Hk;
+  c.D = d.D;
+  c.Dv = d.Dv;
+  c.G = d.G;
+  c.Rk = d.Rk;
   c.pre_key_wise = d.pre.key_wise;
   c.post_key_wise = d.post.key_wise;
   c.capacity = d.capacity;
@@ -64,14 +73,22 @@ inline DecodeCacheConfig cache_config(const DecodeCase& d) {
 
 /// The tokens of one episode and the reference rows they give.
 struct Episode {
-  reference::Problem p;          // T = S = the longest sequence's total
-  std::vector<double> want;      // reference forward (B, H, L, Dv)
-  std::vector<std::int64_t> len; // tokens appended so far per sequence
+  reference::Problem p;           // T = S = the longest sequence's total
+  std::vector<double> want;       // reference forward (B, H, L, Dv)
+  std::vector<std::int64_t> len;  // tokens appended so far per sequence
 
-  Episode(const DecodeCase& d, const std::vector<std::int64_t>& totals, std::uint64_t seed) : len(totals.size(), 0) {
-    const std::int64_t L = std::max<std::int64_t>(1, *std::max_element(totals.begin(), totals.end()));
+  Episode(const DecodeCase& d, const std::vector<std::int64_t>& totals, std::uint64_t seed)
+      : len(totals.size(), 0) {
+    const std::int64_t L =
+        std::max<std::int64_t>(1, *std::max_element(totals.begin(), totals.end()));
     AttentionCase a;
-    a.B = d.B; a.H = d.H; a.Hk = d.Hk; a.G = d.G; a.T = a.S = L; a.D = d.D; a.Dv = d.Dv;
+    a.B = d.B;
+    a.H = d.H;
+    a.Hk = d.Hk;
+    a.G = d.G;
+    a.T = a.S = L;
+    a.D = d.D;
+    a.Dv = d.Dv;
     a.pre = d.pre;
     a.post = d.post;
     a.causal = true;
@@ -107,7 +124,8 @@ struct StepTensors {
     return w;
   }
   TensorView<const index_t, 1> counts_view() const {
-    return padded ? view<1>(counts.data(), {index_t(counts.size())}) : TensorView<const index_t, 1>{};
+    return padded ? view<1>(counts.data(), {index_t(counts.size())})
+                  : TensorView<const index_t, 1>{};
   }
   static SideSpec key_only(SideSpec s) {
     s.static_w = s.query_wise = false;
@@ -128,7 +146,8 @@ class DecodeRun {
     expect_success("DecodeCache construction", [&] {
       if (d_.caller_memory) {
         // NaN, not zero: the cache must never read a slot it has not written.
-        memory_.assign(size_t(DecodeCache<T>::required_elements(cc_)), std::numeric_limits<T>::quiet_NaN());
+        memory_.assign(size_t(DecodeCache<T>::required_elements(cc_)),
+                       std::numeric_limits<T>::quiet_NaN());
         cache_ = std::make_unique<DecodeCache<T>>(cc_, memory_.data(), index_t(memory_.size()));
       } else {
         cache_ = std::make_unique<DecodeCache<T>>(cc_);
@@ -156,14 +175,17 @@ class DecodeRun {
     for (size_t i = from; i < d_.steps.size() && d_.steps[i].kind != DecodeStep::reset; ++i) {
       const DecodeStep& st = d_.steps[i];
       if (st.kind != DecodeStep::append) continue;
-      for (std::int64_t b = 0; b < d_.B; ++b) totals[size_t(b)] += st.counts.empty() ? st.n : st.counts[size_t(b)];
+      for (std::int64_t b = 0; b < d_.B; ++b)
+        totals[size_t(b)] += st.counts.empty() ? st.n : st.counts[size_t(b)];
     }
-    episode_ = std::make_unique<Episode>(d_, totals, c_.seed + 0x9e3779b97f4a7c15ull * (++episodes_));
+    episode_ =
+        std::make_unique<Episode>(d_, totals, c_.seed + 0x9e3779b97f4a7c15ull * (++episodes_));
   }
 
   /// New-token tensors for n tokens per sequence, sequence b taking counts[b] of them from the
   /// episode's next tokens (a break may ask for more than the episode has: those are `fill`).
-  std::unique_ptr<StepTensors<T>> make_step(std::int64_t n, const std::vector<std::int64_t>& counts, bool padded) {
+  std::unique_ptr<StepTensors<T>> make_step(std::int64_t n, const std::vector<std::int64_t>& counts,
+                                            bool padded) {
     auto s = std::make_unique<StepTensors<T>>();
     s->n = n;
     s->counts.assign(counts.begin(), counts.end());
@@ -173,7 +195,8 @@ class DecodeRun {
     const std::vector<std::int64_t>& at = episode_->len;
     const double nan = std::numeric_limits<double>::quiet_NaN();
     const std::int64_t B = d_.B, L = episode_->L(), G = d_.G, M = d_.H / d_.G;
-    auto tokens = [&](const std::vector<double>& src, std::int64_t X, std::int64_t Y, const MemLayout<4>& l) {
+    auto tokens = [&](const std::vector<double>& src, std::int64_t X, std::int64_t Y,
+                      const MemLayout<4>& l) {
       Strided<T, 4> t({B, X, n, Y}, l);
       t.set(gather_tokens(src, {B, X, L, Y}, 2, at, counts, n, nan));
       return t;
@@ -186,8 +209,10 @@ class DecodeRun {
     const SideSpec* spec[2] = {&d_.pre, &d_.post};
     for (int side = 0; side < 2; ++side) {
       const ComposeShapes sh(*spec[side], B, n, n, G, M);
-      s->key[side] = compose_buffers<T>(StepTensors<T>::key_only(*spec[side]), sh, rng, d_.compose_layout);
-      s->query[side] = compose_buffers<T>(StepTensors<T>::query_only(*spec[side]), sh, rng, d_.compose_layout);
+      s->key[side] =
+          compose_buffers<T>(StepTensors<T>::key_only(*spec[side]), sh, rng, d_.compose_layout);
+      s->query[side] =
+          compose_buffers<T>(StepTensors<T>::query_only(*spec[side]), sh, rng, d_.compose_layout);
       const reference::ComposeSide& r = *ref[side];
       ComposeBuffers<T>& kb = s->key[side];
       ComposeBuffers<T>& qb = s->query[side];
@@ -197,16 +222,19 @@ class DecodeRun {
       auto gate = [&](const std::vector<double>& x, double fill) {
         return gather_tokens(x, {B, L, G, M}, 1, at, counts, n, fill);
       };
-      if (r.key_wise) kb.kw1.set(lowrank(r.kw1, r.Rk, nan)), kb.kw2.set(lowrank(r.kw2, r.Rk, nan)), kb.kdd.set(gate(r.kdd, nan));
+      if (r.key_wise)
+        kb.kw1.set(lowrank(r.kw1, r.Rk, nan)), kb.kw2.set(lowrank(r.kw2, r.Rk, nan)),
+            kb.kdd.set(gate(r.kdd, nan));
       if (r.static_w) qb.w.set(r.w);
       if (r.query_wise)
-        qb.qw1.set(lowrank(r.qw1, r.Rq, 0.25)), qb.qw2.set(lowrank(r.qw2, r.Rq, 0.25)), qb.qdd.set(gate(r.qdd, 0.25));
+        qb.qw1.set(lowrank(r.qw1, r.Rq, 0.25)), qb.qw2.set(lowrank(r.qw2, r.Rq, 0.25)),
+            qb.qdd.set(gate(r.qdd, 0.25));
     }
     return s;
   }
 
-  void decode_into(const AttentionConfig& cfg, TensorView<const T, 4> q, const ComposeWeights<T>& qs,
-                   TensorView<T, 4> out) {
+  void decode_into(const AttentionConfig& cfg, TensorView<const T, 4> q,
+                   const ComposeWeights<T>& qs, TensorView<T, 4> out) {
     if (d_.workspace)
       dcmha::decode(cfg, q, *cache_, qs, out, workspace_);
     else if (!qs.enabled())
@@ -215,18 +243,25 @@ class DecodeRun {
       dcmha::decode(cfg, q, *cache_, qs, out);
   }
 
-  Strided<T, 4> new_out(std::int64_t n) const { return Strided<T, 4>({d_.B, d_.H, n, d_.Dv}, d_.act[3]); }
+  Strided<T, 4> new_out(std::int64_t n) const {
+    return Strided<T, 4>({d_.B, d_.H, n, d_.Dv}, d_.act[3]);
+  }
 
-  // --- the steps ----------------------------------------------------------------------------------
+  // --- the steps
+  // ----------------------------------------------------------------------------------
 
   void append(const DecodeStep& st) {
-    const std::vector<std::int64_t> counts = st.counts.empty() ? std::vector<std::int64_t>(size_t(d_.B), st.n) : st.counts;
+    const std::vector<std::int64_t> counts =
+        st.counts.empty() ? std::vector<std::int64_t>(size_t(d_.B), st.n) : st.counts;
     std::unique_ptr<StepTensors<T>> s = make_step(st.n, counts, !st.counts.empty());
-    expect_success("DecodeCache::append", [&] { cache_->append(s->k.cview(), s->v.cview(), s->key_side(), s->counts_view()); });
+    expect_success("DecodeCache::append", [&] {
+      cache_->append(s->k.cview(), s->v.cview(), s->key_side(), s->counts_view());
+    });
     for (std::int64_t b = 0; b < d_.B; ++b) episode_->len[size_t(b)] += counts[size_t(b)];
     expect_state(st.n, episode_->len, counts);
     Strided<T, 4> out = new_out(st.n);
-    expect_success("decode", [&] { decode_into(decode_config(), s->q.cview(), s->query_side(), out.view()); });
+    expect_success(
+        "decode", [&] { decode_into(decode_config(), s->q.cview(), s->query_side(), out.view()); });
     last_out_ = out.get();
     expect_rows(*s, last_out_);
     expect_untouched_outside("decode out", out);
@@ -235,9 +270,12 @@ class DecodeRun {
 
   /// decode() again without an append: the same step, the same bits.
   void repeat() {
-    if (!last_) return expect_decode_rejected("decode without an append since construction or reset()");
+    if (!last_)
+      return expect_decode_rejected("decode without an append since construction or reset()");
     Strided<T, 4> out = new_out(last_->n);
-    expect_success("decode (again)", [&] { decode_into(decode_config(), last_->q.cview(), last_->query_side(), out.view()); });
+    expect_success("decode (again)", [&] {
+      decode_into(decode_config(), last_->q.cview(), last_->query_side(), out.view());
+    });
     if (out.get() != last_out_) mismatch("decode again without append: a different result");
   }
 
@@ -266,12 +304,14 @@ class DecodeRun {
     index_t last_step = 0;
     Memory memory;
     bool operator==(const State& o) const {
-      return length == o.length && count == o.count && last_step == o.last_step && memory == o.memory;
+      return length == o.length && count == o.count && last_step == o.last_step &&
+             memory == o.memory;
     }
   };
   State state() const {
     State s;
-    for (std::int64_t b = 0; b < d_.B; ++b) s.length.push_back(cache_->length(b)), s.count.push_back(cache_->last_count(b));
+    for (std::int64_t b = 0; b < d_.B; ++b)
+      s.length.push_back(cache_->length(b)), s.count.push_back(cache_->last_count(b));
     s.last_step = cache_->last_step();
     const auto* p = reinterpret_cast<const unsigned char*>(cache_->k_slots().data);
     s.memory.assign(p, p + size_t(DecodeCache<T>::required_elements(cc_)) * sizeof(T));
@@ -279,14 +319,17 @@ class DecodeRun {
   }
 
  private:
-  void expect_state(std::int64_t n, const std::vector<std::int64_t>& lengths, const std::vector<std::int64_t>& counts) {
-    if (cache_->last_step() != n) mismatch("last_step() = " + std::to_string(cache_->last_step()) + ", expected " + std::to_string(n));
+  void expect_state(std::int64_t n, const std::vector<std::int64_t>& lengths,
+                    const std::vector<std::int64_t>& counts) {
+    if (cache_->last_step() != n)
+      mismatch("last_step() = " + std::to_string(cache_->last_step()) + ", expected " +
+               std::to_string(n));
     for (std::int64_t b = 0; b < d_.B; ++b) {
       const std::int64_t len = lengths[size_t(b)];
       if (cache_->length(b) != len || cache_->last_count(b) != counts[size_t(b)])
-        mismatch("sequence " + std::to_string(b) + ": length " + std::to_string(cache_->length(b)) + " count " +
-                 std::to_string(cache_->last_count(b)) + ", expected " + std::to_string(len) + " and " +
-                 std::to_string(counts[size_t(b)]));
+        mismatch("sequence " + std::to_string(b) + ": length " + std::to_string(cache_->length(b)) +
+                 " count " + std::to_string(cache_->last_count(b)) + ", expected " +
+                 std::to_string(len) + " and " + std::to_string(counts[size_t(b)]));
     }
   }
 
@@ -302,15 +345,17 @@ class DecodeRun {
             const double x = got[size_t(((b * H + h) * n + i) * Dv + e)];
             if (i >= s.counts[size_t(b)]) {
               if (x != 0.0)
-                mismatch("decode out: padding row b" + std::to_string(b) + " h" + std::to_string(h) + " i" +
-                         std::to_string(i) + " = " + num(x) + " (expected exactly 0)");
+                mismatch("decode out: padding row b" + std::to_string(b) + " h" +
+                         std::to_string(h) + " i" + std::to_string(i) + " = " + num(x) +
+                         " (expected exactly 0)");
               continue;
             }
             want_rows.push_back(episode_->want[size_t(((b * H + h) * L + first + i) * Dv + e)]);
             got_rows.push_back(x);
           }
     }
-    expect_close("decode out (rows of the full causal forward)", want_rows, got_rows, tolerance<T>());
+    expect_close("decode out (rows of the full causal forward)", want_rows, got_rows,
+                 tolerance<T>());
   }
 
   const FuzzCase& c_;

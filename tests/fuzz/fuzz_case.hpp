@@ -44,7 +44,9 @@ struct Break {
   std::uint8_t a = 0, b = 0;
   bool on() const { return kind >= 0; }
   std::string str() const {
-    return on() ? " break=" + std::to_string(kind) + "/" + std::to_string(a) + "/" + std::to_string(b) : "";
+    return on() ? " break=" + std::to_string(kind) + "/" + std::to_string(a) + "/" +
+                      std::to_string(b)
+                : "";
   }
 };
 
@@ -61,9 +63,9 @@ struct AttentionCase {
   std::vector<std::int64_t> qlen, klen;   // empty: T and S for every sequence
   std::array<MemLayout<4>, kActs> act{};  // q, k, v, out, dout, dq, dk, dv
   MemLayout<3> lse = MemLayout<3>::dense();
-  std::uint8_t compose_layout = 0;        // 0: dense; else permuted and padded (seeded)
-  bool with_lse = true;                   // forward: lse given (inference passes none)
-  bool workspace = false;                 // calls through one Workspace
+  std::uint8_t compose_layout = 0;  // 0: dense; else permuted and padded (seeded)
+  bool with_lse = true;             // forward: lse given (inference passes none)
+  bool workspace = false;           // calls through one Workspace
 
   std::string str() const;
 };
@@ -72,24 +74,24 @@ struct AttentionCase {
 struct DecodeStep {
   enum Kind : std::uint8_t { append, repeat, reset, broken };
   Kind kind = append;
-  std::int64_t n = 1;                 // tokens per sequence in the new-token tensors
-  std::vector<std::int64_t> counts;   // tokens each sequence appends; empty: n for every one
-  Break brk;                          // kind == broken
+  std::int64_t n = 1;                // tokens per sequence in the new-token tensors
+  std::vector<std::int64_t> counts;  // tokens each sequence appends; empty: n for every one
+  Break brk;                         // kind == broken
 };
 
 struct DecodeCase {
   std::int64_t B = 1, H = 1, Hk = 1, G = 1, D = 1, Dv = 1, Rk = 0;
-  SideSpec pre, post;                 // pre.Rk == post.Rk == Rk: the cache keeps one rank
-  std::int64_t window = 0;            // 0: global layer
-  std::int64_t capacity = 1;          // global layers; 0 for local ones
+  SideSpec pre, post;         // pre.Rk == post.Rk == Rk: the cache keeps one rank
+  std::int64_t window = 0;    // 0: global layer
+  std::int64_t capacity = 1;  // global layers; 0 for local ones
   std::int64_t max_step = 1;
   double scale = 0;
-  bool cfg_window = false;            // decode's cfg.window = the cache's instead of 0
+  bool cfg_window = false;  // decode's cfg.window = the cache's instead of 0
   bool workspace = false, caller_memory = false;
   std::array<MemLayout<4>, 4> act{};  // q_new, k_new, v_new, out
   std::uint8_t compose_layout = 0;
   std::vector<DecodeStep> steps;
-  Break config_break;                 // an invalid DecodeCacheConfig or buffer
+  Break config_break;  // an invalid DecodeCacheConfig or buffer
 
   std::string str() const;
 };
@@ -153,11 +155,12 @@ inline std::string AttentionCase::str() const {
 
 inline std::string DecodeCase::str() const {
   static const char* const names[] = {"q_new", "k_new", "v_new", "out"};
-  std::string s = "B" + std::to_string(B) + " H" + std::to_string(H) + " Hk" + std::to_string(Hk) +
-                  " G" + std::to_string(G) + " D" + std::to_string(D) + " Dv" + std::to_string(Dv) +
-                  " pre=" + pre.str() + " post=" + post.str() +
-                  (window ? " window" + std::to_string(window) : " capacity" + std::to_string(capacity)) +
-                  " max_step" + std::to_string(max_step);
+  std::string s =
+      "B" + std::to_string(B) + " H" + std::to_string(H) + " Hk" + std::to_string(Hk) + " G" +
+      std::to_string(G) + " D" + std::to_string(D) + " Dv" + std::to_string(Dv) +
+      " pre=" + pre.str() + " post=" + post.str() +
+      (window ? " window" + std::to_string(window) : " capacity" + std::to_string(capacity)) +
+      " max_step" + std::to_string(max_step);
   if (scale > 0) s += " scale" + std::to_string(scale);
   if (cfg_window) s += " cfg-window";
   if (workspace) s += " workspace";

@@ -3,7 +3,8 @@
 // writes nothing. Any finding prints "fuzz mismatch: ..." and aborts.
 //
 // Built two ways from this one file:
-//   - with clang's libFuzzer (-fsanitize=fuzzer, DCMHA_FUZZ_LIBFUZZER defined): LLVMFuzzerTestOneInput
+//   - with clang's libFuzzer (-fsanitize=fuzzer, DCMHA_FUZZ_LIBFUZZER defined):
+//   LLVMFuzzerTestOneInput
 //     only; libFuzzer supplies main(), the corpus handling and the mutations;
 //   - otherwise as a plain driver with its own main(): it runs every file of the corpus
 //     directories and files given, then random byte strings for --seconds or --runs, and prints
@@ -82,7 +83,8 @@ void save_current_input() {
   for (std::uint8_t b : in) h = (h ^ b) * 1099511628211ull;
   char name[64];
   std::snprintf(name, sizeof name, "fuzz-mismatch-%016llx", static_cast<unsigned long long>(h));
-  std::ofstream(name, std::ios::binary).write(reinterpret_cast<const char*>(in.data()), std::streamsize(in.size()));
+  std::ofstream(name, std::ios::binary)
+      .write(reinterpret_cast<const char*>(in.data()), std::streamsize(in.size()));
   std::fprintf(stderr, "fuzz_dcmha: input saved as %s\n", name);
 }
 
@@ -93,7 +95,8 @@ void run(const std::vector<std::uint8_t>& bytes) {
 
 std::vector<std::uint8_t> read_file(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
-  return std::vector<std::uint8_t>(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  return std::vector<std::uint8_t>(std::istreambuf_iterator<char>(f),
+                                   std::istreambuf_iterator<char>());
 }
 
 /// Every file given, and every regular file of every directory given, in name order.
@@ -122,10 +125,12 @@ struct Options {
 };
 
 int usage() {
-  std::fprintf(stderr,
-               "usage: fuzz_dcmha [--seconds S] [--runs N] [--seed X] [--max-len N] [corpus dir or file]...\n"
-               "Runs every corpus file, then random inputs for S seconds or N runs (whichever ends first\n"
-               "when both are given).\n");
+  std::fprintf(
+      stderr,
+      "usage: fuzz_dcmha [--seconds S] [--runs N] [--seed X] [--max-len N] [corpus dir or "
+      "file]...\n"
+      "Runs every corpus file, then random inputs for S seconds or N runs (whichever ends first\n"
+      "when both are given).\n");
   return 2;
 }
 
@@ -133,12 +138,18 @@ bool parse(int argc, char** argv, Options& o) {
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     const bool has_value = i + 1 < argc;
-    if (a == "--seconds" && has_value) o.seconds = std::stod(argv[++i]);
-    else if (a == "--runs" && has_value) o.runs = std::stol(argv[++i]);
-    else if (a == "--seed" && has_value) o.seed = std::stoull(argv[++i]);
-    else if (a == "--max-len" && has_value) o.max_len = std::stoul(argv[++i]);
-    else if (a.rfind("--", 0) == 0) return false;
-    else o.paths.push_back(a);
+    if (a == "--seconds" && has_value)
+      o.seconds = std::stod(argv[++i]);
+    else if (a == "--runs" && has_value)
+      o.runs = std::stol(argv[++i]);
+    else if (a == "--seed" && has_value)
+      o.seed = std::stoull(argv[++i]);
+    else if (a == "--max-len" && has_value)
+      o.max_len = std::stoul(argv[++i]);
+    else if (a.rfind("--", 0) == 0)
+      return false;
+    else
+      o.paths.push_back(a);
   }
   return true;
 }
@@ -150,7 +161,9 @@ int main(int argc, char** argv) {
   if (!parse(argc, argv, o)) return usage();
   dcmha::fuzz::on_mismatch() = &save_current_input;
   const auto start = std::chrono::steady_clock::now();
-  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(); };
+  auto elapsed = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
 
   long files = 0, random = 0;
   for (const fs::path& f : corpus_files(o.paths)) {
@@ -160,19 +173,22 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(o.seed);
   const bool by_time = o.seconds > 0, by_runs = o.runs > 0;
   double report_at = 10;
-  while ((by_time || by_runs) && (!by_time || elapsed() < o.seconds) && (!by_runs || random < o.runs)) {
+  while ((by_time || by_runs) && (!by_time || elapsed() < o.seconds) &&
+         (!by_runs || random < o.runs)) {
     std::vector<std::uint8_t> bytes(rng() % (o.max_len + 1));
     for (std::uint8_t& b : bytes) b = static_cast<std::uint8_t>(rng());
     run(bytes);
     ++random;
-    if (elapsed() >= report_at) {  // progress, and a run count for scripts/fuzz.sh if a later input fails
+    if (elapsed() >=
+        report_at) {  // progress, and a run count for scripts/fuzz.sh if a later input fails
       std::printf("fuzz_dcmha: %ld runs so far\n", files + random);
       std::fflush(stdout);
       report_at += 10;
     }
   }
-  std::printf("fuzz_dcmha: %ld runs (%ld corpus files, %ld random inputs) in %.1f s, 0 mismatches\n",
-              files + random, files, random, elapsed());
+  std::printf(
+      "fuzz_dcmha: %ld runs (%ld corpus files, %ld random inputs) in %.1f s, 0 mismatches\n",
+      files + random, files, random, elapsed());
   return 0;
 }
 #endif

@@ -26,7 +26,13 @@ struct ProjectionValues {
   reference::ProjectionOutputs dout;
 
   ProjectionValues(const ProjectionCase& pc, std::uint64_t seed) {
-    s.B = pc.B; s.L = pc.L; s.E = pc.E; s.G = pc.G; s.K = pc.K; s.R = pc.R; s.M = pc.M;
+    s.B = pc.B;
+    s.L = pc.L;
+    s.E = pc.E;
+    s.G = pc.G;
+    s.K = pc.K;
+    s.R = pc.R;
+    s.M = pc.M;
     s.tanh_gelu = pc.tanh_gelu;
     s.eps = pc.eps;
     Rng rng(seed);
@@ -44,9 +50,9 @@ struct ProjectionValues {
 /// How much the RMS norm of w1 amplifies rounding. The rounding error of one raw w1 element is
 /// about u times the sum over the hidden units k of |qkw| times the error scale of unit k's
 /// activation: |h| (GELU as h (1 + erf) / 2 cancels for negative h, leaving an absolute error of
-/// u |h|) plus |GELU'(h)| times the sum of |x dw1| that h was summed from. Divided by the row's rms,
-/// that is the relative error of the normalized row: large where w1 is tiny next to those scales
-/// (with eps dominating the rms, or with M = 1, where w1 / rms is a sign function). Float's
+/// u |h|) plus |GELU'(h)| times the sum of |x dw1| that h was summed from. Divided by the row's
+/// rms, that is the relative error of the normalized row: large where w1 is tiny next to those
+/// scales (with eps dominating the rms, or with M = 1, where w1 / rms is a sign function). Float's
 /// results there may differ from the reference by far more than 2e-4 without any bug, so the
 /// tolerance grows with this number.
 inline double rms_norm_condition(const ProjectionValues& v) {
@@ -59,7 +65,9 @@ inline double rms_norm_condition(const ProjectionValues& v) {
       const reference::PositionState st = reference::position_state(s, v.x, v.p, b, l);
       for (std::int64_t j = 0; j < G * 4 * K; ++j) {  // j = (g * 4 + c) * K + k, dw1's column
         double summed = 0;
-        for (std::int64_t e = 0; e < E; ++e) summed += std::abs(v.x[size_t((b * s.L + l) * E + e)] * v.p.dw1[size_t(e * G * 4 * K + j)]);
+        for (std::int64_t e = 0; e < E; ++e)
+          summed +=
+              std::abs(v.x[size_t((b * s.L + l) * E + e)] * v.p.dw1[size_t(e * G * 4 * K + j)]);
         const double h = st.hpre[size_t(j)];
         scale[size_t(j)] = std::abs(h) + std::abs(reference::gelu_grad(h, s.tanh_gelu)) * summed;
       }
@@ -71,7 +79,8 @@ inline double rms_norm_condition(const ProjectionValues& v) {
             ms += w * w;
             double a = 0;
             for (std::int64_t k = 0; k < K; ++k)
-              a += scale[size_t(gc * K + k)] * std::abs(v.p.qkw[size_t(((gc * K + k) * 2 * R + r) * M + m)]);
+              a += scale[size_t(gc * K + k)] *
+                   std::abs(v.p.qkw[size_t(((gc * K + k) * 2 * R + r) * M + m)]);
             err = std::max(err, a);
           }
           kappa = std::max(kappa, err / std::sqrt(ms / double(M) + s.eps));
@@ -105,7 +114,8 @@ struct SplitBuffers {
   template <class U>
   DynamicWeights<U> views() const {
     auto side = [&](size_t q, size_t k) {
-      return DynamicWeightsSide<U>{w1[q].view(), w2[q].view(), w1[k].view(), w2[k].view(), dd[q].view(), dd[k].view()};
+      return DynamicWeightsSide<U>{w1[q].view(), w2[q].view(), w1[k].view(),
+                                   w2[k].view(), dd[q].view(), dd[k].view()};
     };
     return {side(0, 1), side(2, 3)};
   }
@@ -153,10 +163,13 @@ struct ProjectionTensors {
   std::vector<std::vector<unsigned char>> output_bytes(bool backward) const {
     std::vector<std::vector<unsigned char>> all;
     if (backward) return {dx.bytes(), gdw1.bytes(), gqkw.bytes(), gdd.bytes()};
-    out.for_each([&](const std::string&, const auto& b, auto, size_t) { all.push_back(b.bytes()); });
+    out.for_each(
+        [&](const std::string&, const auto& b, auto, size_t) { all.push_back(b.bytes()); });
     return all;
   }
-  std::vector<std::vector<double>> gradients() const { return {dx.get(), gdw1.get(), gqkw.get(), gdd.get()}; }
+  std::vector<std::vector<double>> gradients() const {
+    return {dx.get(), gdw1.get(), gqkw.get(), gdd.get()};
+  }
 };
 
 template <class T>
@@ -211,7 +224,8 @@ void check_projection_valid(const FuzzCase& c) {
   const ProjectionConfig cfg = projection_config(c);
   const double kappa = rms_norm_condition(v), tol = projection_tolerance<T>(kappa);
   current_problem() += " (rms-norm condition " + num(kappa) + ")";
-  const ProjectionForwardCall<T> fwd{cfg, t.x.cview(), t.params(), t.out.template views<T>(), c.proj.keep ? &act : nullptr};
+  const ProjectionForwardCall<T> fwd{cfg, t.x.cview(), t.params(), t.out.template views<T>(),
+                                     c.proj.keep ? &act : nullptr};
   expect_success("dynamic_weights_forward", [&] { fwd.run(); });
   t.out.for_each([&](const std::string& name, const auto& b, auto field, size_t split) {
     expect_close("out." + name, (want.*field)[split], b.get(), tol);
@@ -222,8 +236,13 @@ void check_projection_valid(const FuzzCase& c) {
   std::vector<double> want_dx;
   reference::ProjectionParams want_g;
   reference::projection_backward(v.s, v.x, v.p, v.dout, want_dx, want_g);
-  ProjectionBackwardCall<T> bwd{cfg, t.x.cview(), t.params(), t.dout.template views<const T>(), t.dx.view(),
-                                t.grads(), c.proj.keep ? &act : nullptr};
+  ProjectionBackwardCall<T> bwd{cfg,
+                                t.x.cview(),
+                                t.params(),
+                                t.dout.template views<const T>(),
+                                t.dx.view(),
+                                t.grads(),
+                                c.proj.keep ? &act : nullptr};
   expect_success("dynamic_weights_backward", [&] { bwd.run(); });
   const std::vector<std::vector<double>> got = t.gradients();
   const std::vector<double>* wants[4] = {&want_dx, &want_g.dw1, &want_g.qkw, &want_g.dd};
@@ -236,7 +255,8 @@ void check_projection_valid(const FuzzCase& c) {
   if (c.proj.keep) {  // recomputing the activations runs the same products: the same bits
     bwd.kept = nullptr;
     expect_success("dynamic_weights_backward (recomputing)", [&] { bwd.run(); });
-    if (t.gradients() != got) mismatch("backward from kept activations differs from the recomputing one");
+    if (t.gradients() != got)
+      mismatch("backward from kept activations differs from the recomputing one");
   }
 }
 
@@ -286,27 +306,32 @@ class ProjectionBreaker {
     std::vector<AnyView*> ins = given(views_, false), outs = given(views_, true);
     std::vector<AnyView*> params(ins.begin(), ins.begin() + 4), douts(ins.begin() + 4, ins.end());
     switch (kind) {
-      case ProjectionBreak::input_shape: return resize_some(params, x, y);
-      case ProjectionBreak::output_shape: return resize_some(outs, x, y);
+      case ProjectionBreak::input_shape:
+        return resize_some(params, x, y);
+      case ProjectionBreak::output_shape:
+        return resize_some(outs, x, y);
       case ProjectionBreak::missing_output: {
         AnyView* v = choose(outs, x);
         v->set_data(nullptr);
         return v->name + " not given";
       }
-      case ProjectionBreak::output_overlaps_input: return overlap(*choose(ins, y), *choose(outs, x), arena_, y & 128);
+      case ProjectionBreak::output_overlaps_input:
+        return overlap(*choose(ins, y), *choose(outs, x), arena_, y & 128);
       case ProjectionBreak::outputs_same_address: {
         AnyView* a = outs[x % outs.size()];
         AnyView* b = outs[(x % outs.size() + 1 + y % (outs.size() - 1)) % outs.size()];
         return overlap(*a, *b, arena_, true);
       }
-      case ProjectionBreak::dout_shape: return douts.empty() ? resize_some(params, x, y) : resize_some(douts, x, y);
+      case ProjectionBreak::dout_shape:
+        return douts.empty() ? resize_some(params, x, y) : resize_some(douts, x, y);
       case ProjectionBreak::zero_size: {
         AnyView* v = choose(params, x);
         const int d = int(y % unsigned(v->rank));
         v->shape[d] = 0;
         return v->name + ".shape[" + std::to_string(d) + "] = 0";
       }
-      default: return bad_config(x);
+      default:
+        return bad_config(x);
     }
   }
 
@@ -317,11 +342,21 @@ class ProjectionBreaker {
   }
   std::string bad_config(unsigned x) {
     switch (x % 6) {
-      case 0: cfg_.eps = -1e-3; return "cfg.eps = -1e-3";
-      case 1: cfg_.eps = std::numeric_limits<double>::quiet_NaN(); return "cfg.eps = NaN";
-      case 2: cfg_.eps = std::numeric_limits<double>::infinity(); return "cfg.eps = inf";
-      case 3: cfg_.num_threads = -1; return "cfg.num_threads = -1";
-      default: cfg_.gelu = static_cast<Gelu>(2 + x % 5); return "cfg.gelu = " + std::to_string(2 + x % 5);
+      case 0:
+        cfg_.eps = -1e-3;
+        return "cfg.eps = -1e-3";
+      case 1:
+        cfg_.eps = std::numeric_limits<double>::quiet_NaN();
+        return "cfg.eps = NaN";
+      case 2:
+        cfg_.eps = std::numeric_limits<double>::infinity();
+        return "cfg.eps = inf";
+      case 3:
+        cfg_.num_threads = -1;
+        return "cfg.num_threads = -1";
+      default:
+        cfg_.gelu = static_cast<Gelu>(2 + x % 5);
+        return "cfg.gelu = " + std::to_string(2 + x % 5);
     }
   }
 
@@ -333,10 +368,12 @@ class ProjectionBreaker {
 /// Activations that do not belong to the backward's x: never filled, released, or kept by a
 /// valid forward over the first L - 1 positions only.
 template <class T>
-std::string wrong_activations(const FuzzCase& c, ProjectionTensors<T>& t, ProjectionActivations<T>& act, unsigned x) {
+std::string wrong_activations(const FuzzCase& c, ProjectionTensors<T>& t,
+                              ProjectionActivations<T>& act, unsigned x) {
   const unsigned variant = c.proj.L > 1 ? x % 3 : x % 2;
   if (variant == 0) return "kept activations never filled";
-  ProjectionForwardCall<T> fwd{projection_config(c), t.x.cview(), t.params(), t.out.template views<T>(), &act};
+  ProjectionForwardCall<T> fwd{projection_config(c), t.x.cview(), t.params(),
+                               t.out.template views<T>(), &act};
   if (variant == 2) {
     fwd.x.shape[1] -= 1;
     for (auto* s : {&fwd.out.pre, &fwd.out.post})
@@ -346,7 +383,8 @@ std::string wrong_activations(const FuzzCase& c, ProjectionTensors<T>& t, Projec
   }
   expect_success("dynamic_weights_forward (keeping activations)", [&] { fwd.run(); });
   if (variant == 1) act.release();
-  return variant == 1 ? "kept activations released" : "activations kept by a forward over L - 1 positions";
+  return variant == 1 ? "kept activations released"
+                      : "activations kept by a forward over L - 1 positions";
 }
 
 template <class T>
@@ -354,23 +392,27 @@ void check_projection_invalid(const FuzzCase& c) {
   const ProjectionValues v(c.proj, c.seed);
   ProjectionTensors<T> t(c.proj, v, c.seed);
   const ProjectionBreak kind = ProjectionBreak(c.brk.kind);
-  const bool backward = c.proj.backward || kind == ProjectionBreak::dout_shape || kind == ProjectionBreak::kept_mismatch;
+  const bool backward = c.proj.backward || kind == ProjectionBreak::dout_shape ||
+                        kind == ProjectionBreak::kept_mismatch;
   ProjectionActivations<T> act;
   Arena arena;
   if (!backward) {
-    ProjectionForwardCall<T> fwd{projection_config(c), t.x.cview(), t.params(), t.out.template views<T>(),
-                                 c.proj.keep ? &act : nullptr};
+    ProjectionForwardCall<T> fwd{projection_config(c), t.x.cview(), t.params(),
+                                 t.out.template views<T>(), c.proj.keep ? &act : nullptr};
     std::vector<AnyView> views = projection_inputs(fwd.x, fwd.p);
     add_split_views(views, fwd.out, "out.", true);
-    const std::string what = ProjectionBreaker<T>(fwd.cfg, views, arena).apply(kind, c.brk.a, c.brk.b);
+    const std::string what =
+        ProjectionBreaker<T>(fwd.cfg, views, arena).apply(kind, c.brk.a, c.brk.b);
     const auto before = t.output_bytes(false);
     const auto moved = arena.snapshot();
     expect_error("dynamic_weights_forward with " + what, [&] { fwd.run(); });
-    if (t.output_bytes(false) != before || !arena.same_as(moved)) mismatch(what + ": the rejected call wrote to an output");
+    if (t.output_bytes(false) != before || !arena.same_as(moved))
+      mismatch(what + ": the rejected call wrote to an output");
     return;
   }
-  ProjectionBackwardCall<T> bwd{projection_config(c), t.x.cview(), t.params(), t.dout.template views<const T>(),
-                                t.dx.view(), t.grads(), nullptr};
+  ProjectionBackwardCall<T> bwd{
+      projection_config(c), t.x.cview(), t.params(), t.dout.template views<const T>(),
+      t.dx.view(),          t.grads(),   nullptr};
   std::string what;
   if (kind == ProjectionBreak::kept_mismatch) {
     what = wrong_activations(c, t, act, c.brk.a);
@@ -387,7 +429,8 @@ void check_projection_invalid(const FuzzCase& c) {
   const auto before = t.output_bytes(true);
   const auto moved = arena.snapshot();
   expect_error("dynamic_weights_backward with " + what, [&] { bwd.run(); });
-  if (t.output_bytes(true) != before || !arena.same_as(moved)) mismatch(what + ": the rejected call wrote to an output");
+  if (t.output_bytes(true) != before || !arena.same_as(moved))
+    mismatch(what + ": the rejected call wrote to an output");
 }
 
 inline void check_projection(const FuzzCase& c) {

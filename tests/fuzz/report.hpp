@@ -91,13 +91,14 @@ inline void expect_close(const std::string& name, const std::vector<double>& wan
   size_t at = 0;
   double worst = -1;
   for (size_t i = 0; i < std::min(want.size(), got.size()); ++i) {
-    const double d = std::isfinite(got[i]) ? std::abs(got[i] - want[i]) : std::numeric_limits<double>::infinity();
+    const double d = std::isfinite(got[i]) ? std::abs(got[i] - want[i])
+                                           : std::numeric_limits<double>::infinity();
     if (d > worst) worst = d, at = i;
   }
   mismatch(name + ": relative error " + num(e) + " > " + num(tol) + " (element " +
            std::to_string(at) + " of " + std::to_string(want.size()) + ": want " +
-           (at < want.size() ? num(want[at]) : "?") + ", got " + (at < got.size() ? num(got[at]) : "?") +
-           ")");
+           (at < want.size() ? num(want[at]) : "?") + ", got " +
+           (at < got.size() ? num(got[at]) : "?") + ")");
 }
 
 }  // namespace dcmha::fuzz

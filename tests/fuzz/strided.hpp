@@ -25,9 +25,9 @@ inline constexpr unsigned char kSentinel = 0xFF;
 /// Where a tensor's elements lie: the memory order of its logical dims and the gaps.
 template <int N>
 struct MemLayout {
-  std::array<int, N> order{};     // logical dims, outermost first
-  std::array<index_t, N> gap{};   // unused elements after each block of a dim
-  index_t offset = 0;             // unused elements before the first one
+  std::array<int, N> order{};    // logical dims, outermost first
+  std::array<index_t, N> gap{};  // unused elements after each block of a dim
+  index_t offset = 0;            // unused elements before the first one
 
   static MemLayout dense() {
     MemLayout l;
@@ -154,7 +154,9 @@ class Arena {
     return reinterpret_cast<T*>(alloc(size_t(std::max<index_t>(n, 1)) * sizeof(T)));
   }
   std::vector<std::vector<unsigned char>> snapshot() const { return blocks_; }
-  bool same_as(const std::vector<std::vector<unsigned char>>& before) const { return blocks_ == before; }
+  bool same_as(const std::vector<std::vector<unsigned char>>& before) const {
+    return blocks_ == before;
+  }
 
  private:
   std::vector<std::vector<unsigned char>> blocks_;

@@ -18,13 +18,16 @@ using test::Rng;
 /// One compose side's tensors for B sequences of T query and S key positions. Low-rank terms are
 /// scaled so that each changes a head's value by about 0.3 of its size (as random_problem does):
 /// large enough that a wrong term shows, small enough that Compose stays well conditioned.
-inline reference::ComposeSide random_side(Rng& rng, const SideSpec& s, std::int64_t B, std::int64_t T,
-                                          std::int64_t S, std::int64_t G, std::int64_t M) {
+inline reference::ComposeSide random_side(Rng& rng, const SideSpec& s, std::int64_t B,
+                                          std::int64_t T, std::int64_t S, std::int64_t G,
+                                          std::int64_t M) {
   reference::ComposeSide c;
   c.static_w = s.static_w;
   c.query_wise = s.query_wise;
   c.key_wise = s.key_wise;
-  auto lowrank_sd = [&](std::int64_t R) { return std::sqrt(0.3 / (double(R) * std::sqrt(double(M)))); };
+  auto lowrank_sd = [&](std::int64_t R) {
+    return std::sqrt(0.3 / (double(R) * std::sqrt(double(M))));
+  };
   if (s.static_w) c.w = rng.normal(size_t(G * M * M), 0.3 / std::sqrt(double(M)));
   if (s.query_wise) {
     c.Rq = s.Rq;
@@ -43,7 +46,14 @@ inline reference::ComposeSide random_side(Rng& rng, const SideSpec& s, std::int6
 
 inline reference::Problem attention_problem(const AttentionCase& a, std::uint64_t seed) {
   reference::Problem p;
-  p.B = a.B; p.H = a.H; p.Hk = a.Hk; p.T = a.T; p.S = a.S; p.D = a.D; p.Dv = a.Dv; p.G = a.G;
+  p.B = a.B;
+  p.H = a.H;
+  p.Hk = a.Hk;
+  p.T = a.T;
+  p.S = a.S;
+  p.D = a.D;
+  p.Dv = a.Dv;
+  p.G = a.G;
   p.causal = a.causal;
   p.window = a.window;
   p.scale = a.scale;
@@ -58,7 +68,9 @@ inline reference::Problem attention_problem(const AttentionCase& a, std::uint64_
   return p;
 }
 
-inline double round_to_bf16(double x) { return double(static_cast<float>(bf16(static_cast<float>(x)))); }
+inline double round_to_bf16(double x) {
+  return double(static_cast<float>(bf16(static_cast<float>(x))));
+}
 
 inline void round_all(std::vector<double>& x) {
   for (double& e : x) e = round_to_bf16(e);

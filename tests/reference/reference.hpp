@@ -18,7 +18,7 @@ namespace dcmha::reference {
 /// One side (pre- or post-softmax) of Compose. Dense row-major tensors, canonical layouts.
 struct ComposeSide {
   bool static_w = false, query_wise = false, key_wise = false;
-  std::vector<double> w;         // (G, M, M)  [group, input head, output head]; residual NOT folded in
+  std::vector<double> w;  // (G, M, M)  [group, input head, output head]; residual NOT folded in
   std::vector<double> qw1, qw2;  // (B, T, G, Rq, M)
   std::vector<double> kw1, kw2;  // (B, S, G, Rk, M)
   std::vector<double> qdd;       // (B, T, G, M)
@@ -112,8 +112,8 @@ inline int64_t at_w(const Problem& p, int64_t g, int64_t m, int64_t n) {
   const int64_t M = M_of(p);
   return (g * M + m) * M + n;
 }
-inline int64_t at_lowrank(const Problem& p, int64_t L, int64_t R, int64_t b, int64_t l,
-                          int64_t g, int64_t r, int64_t m) {
+inline int64_t at_lowrank(const Problem& p, int64_t L, int64_t R, int64_t b, int64_t l, int64_t g,
+                          int64_t r, int64_t m) {
   const int64_t M = M_of(p);
   return (((b * L + l) * p.G + g) * R + r) * M + m;
 }
@@ -136,7 +136,8 @@ inline std::vector<double> compose(const Problem& p, const ComposeSide& c, int64
       if (c.query_wise) {
         for (int64_t r = 0; r < c.Rq; ++r) {
           double proj = 0;
-          for (int64_t m = 0; m < M; ++m) proj += ag[m] * c.qw1[at_lowrank(p, p.T, c.Rq, b, t, g, r, m)];
+          for (int64_t m = 0; m < M; ++m)
+            proj += ag[m] * c.qw1[at_lowrank(p, p.T, c.Rq, b, t, g, r, m)];
           yg[n] += proj * c.qw2[at_lowrank(p, p.T, c.Rq, b, t, g, r, n)];
         }
         yg[n] += ag[n] * c.qdd[at_gate(p, p.T, b, t, g, n)];
@@ -144,7 +145,8 @@ inline std::vector<double> compose(const Problem& p, const ComposeSide& c, int64
       if (c.key_wise) {
         for (int64_t r = 0; r < c.Rk; ++r) {
           double proj = 0;
-          for (int64_t m = 0; m < M; ++m) proj += ag[m] * c.kw1[at_lowrank(p, p.S, c.Rk, b, s, g, r, m)];
+          for (int64_t m = 0; m < M; ++m)
+            proj += ag[m] * c.kw1[at_lowrank(p, p.S, c.Rk, b, s, g, r, m)];
           yg[n] += proj * c.kw2[at_lowrank(p, p.S, c.Rk, b, s, g, r, n)];
         }
         yg[n] += ag[n] * c.kdd[at_gate(p, p.S, b, s, g, n)];
@@ -174,7 +176,8 @@ inline std::vector<double> compose_backward(const Problem& p, const ComposeSide&
       if (c.query_wise) {
         for (int64_t r = 0; r < c.Rq; ++r) {
           double proj = 0;
-          for (int64_t m = 0; m < M; ++m) proj += ag[m] * c.qw1[at_lowrank(p, p.T, c.Rq, b, t, g, r, m)];
+          for (int64_t m = 0; m < M; ++m)
+            proj += ag[m] * c.qw1[at_lowrank(p, p.T, c.Rq, b, t, g, r, m)];
           const double w2 = c.qw2[at_lowrank(p, p.T, c.Rq, b, t, g, r, n)];
           dc.qw2[at_lowrank(p, p.T, c.Rq, b, t, g, r, n)] += proj * dyg[n];
           for (int64_t m = 0; m < M; ++m) {
@@ -188,7 +191,8 @@ inline std::vector<double> compose_backward(const Problem& p, const ComposeSide&
       if (c.key_wise) {
         for (int64_t r = 0; r < c.Rk; ++r) {
           double proj = 0;
-          for (int64_t m = 0; m < M; ++m) proj += ag[m] * c.kw1[at_lowrank(p, p.S, c.Rk, b, s, g, r, m)];
+          for (int64_t m = 0; m < M; ++m)
+            proj += ag[m] * c.kw1[at_lowrank(p, p.S, c.Rk, b, s, g, r, m)];
           const double w2 = c.kw2[at_lowrank(p, p.S, c.Rk, b, s, g, r, n)];
           dc.kw2[at_lowrank(p, p.S, c.Rk, b, s, g, r, n)] += proj * dyg[n];
           for (int64_t m = 0; m < M; ++m) {
@@ -316,7 +320,8 @@ inline std::vector<double> output(const Problem& p, const Intermediates& it) {
 }
 
 /// Gradients of sum(O * dout) with respect to every input, from the forward's intermediates.
-inline Gradients gradients(const Problem& p, const Intermediates& it, const std::vector<double>& dout) {
+inline Gradients gradients(const Problem& p, const Intermediates& it,
+                           const std::vector<double>& dout) {
   check_size("dout", dout, p.B * p.H * p.T * p.Dv);
   const double scale = scale_of(p);
   const int64_t n = p.B * p.H * p.T * p.S;

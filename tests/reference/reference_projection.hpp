@@ -19,8 +19,8 @@ struct ProjectionShape {
   std::int64_t dw1_size() const { return E * G * 4 * K; }
   std::int64_t qkw_size() const { return G * 4 * K * 2 * R * M; }
   std::int64_t dd_size() const { return E * G * 4 * M; }
-  std::int64_t w_size() const { return B * L * G * R * M; }   // (B, L, G, R, M)
-  std::int64_t gate_size() const { return B * L * G * M; }    // (B, L, G, M)
+  std::int64_t w_size() const { return B * L * G * R * M; }  // (B, L, G, R, M)
+  std::int64_t gate_size() const { return B * L * G * M; }   // (B, L, G, M)
 };
 
 /// Contiguous arrays in the official layouts: dw1 (E, G, 4, K), qkw (G, 4, K, 2R, M),

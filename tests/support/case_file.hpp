@@ -167,9 +167,9 @@ inline CaseFile parse_case_file(std::istream& in, const std::string& path) {
       if (words.size() < 3) cf.fail("expected `meta KEY VALUE`", lineno);
       const std::string& key = words[1];
       if (cf.has_meta(key))
-        cf.fail("duplicate meta " + key + " (first on line " + std::to_string(cf.meta_line(key)) +
-                    ")",
-                lineno);
+        cf.fail(
+            "duplicate meta " + key + " (first on line " + std::to_string(cf.meta_line(key)) + ")",
+            lineno);
       // The value is the rest of the line verbatim, so descriptive values keep their spaces.
       const size_t at = line.find(key, 4) + key.size();
       cf.meta_entries.emplace_back(key, detail::trim(line.substr(at)));
@@ -181,9 +181,9 @@ inline CaseFile parse_case_file(std::istream& in, const std::string& path) {
       if (open) unfinished(lineno);
       if (words.size() < 3) cf.fail("expected `tensor NAME d0 d1 ...`", lineno);
       if (const CaseTensor* prev = cf.find(words[1]))
-        cf.fail("duplicate tensor " + words[1] + " (first on line " + std::to_string(prev->line) +
-                    ")",
-                lineno);
+        cf.fail(
+            "duplicate tensor " + words[1] + " (first on line " + std::to_string(prev->line) + ")",
+            lineno);
       CaseTensor t;
       t.name = words[1];
       t.line = lineno;
@@ -231,7 +231,8 @@ inline CaseFile parse_case_file(std::istream& in, const std::string& path) {
   }
   if (in.bad()) cf.fail("read error");
   if (open) unfinished(lineno);
-  if (cf.tensors.empty() && cf.meta_entries.empty()) cf.fail("no meta and no tensor: not a case file");
+  if (cf.tensors.empty() && cf.meta_entries.empty())
+    cf.fail("no meta and no tensor: not a case file");
   return cf;
 }
 
@@ -297,13 +298,13 @@ inline reference::ComposeSide compose_side_from_case(const CaseFile& cf, const s
               t.line);
     const int64_t r = t.dims[rank - 2];
     if (R == 0) R = r;
-    std::vector<int64_t> want = spelled_g ? std::vector<int64_t>{p.B, L, p.G, R, M}
-                                          : std::vector<int64_t>{p.B, L, R, p.H};
+    std::vector<int64_t> want =
+        spelled_g ? std::vector<int64_t>{p.B, L, p.G, R, M} : std::vector<int64_t>{p.B, L, R, p.H};
     return cf.tensor(t.name, want).values;
   };
   auto gate = [&](const char* n, int64_t L) -> std::vector<double> {
-    std::vector<int64_t> want = spelled_g ? std::vector<int64_t>{p.B, L, p.G, M}
-                                          : std::vector<int64_t>{p.B, L, p.H};
+    std::vector<int64_t> want =
+        spelled_g ? std::vector<int64_t>{p.B, L, p.G, M} : std::vector<int64_t>{p.B, L, p.H};
     return cf.tensor(name(n), want).values;
   };
   auto group_present = [&](const char* a, const char* b, const char* d) {

@@ -7,41 +7,41 @@
 // test is the same.
 #include <dcmha/dcmha.hpp>
 
-#define DCMHA_TEST_ATTENTION_INSTANCES(PREFIX, T)                                                 \
-  PREFIX void dcmha::detail::forward_impl<T>(                                                     \
+#define DCMHA_TEST_ATTENTION_INSTANCES(PREFIX, T)                                                  \
+  PREFIX void dcmha::detail::forward_impl<T>(                                                      \
       const dcmha::AttentionConfig&, dcmha::TensorView<const T, 4>, dcmha::TensorView<const T, 4>, \
-      dcmha::TensorView<const T, 4>, dcmha::TensorView<T, 4>,                                    \
-      dcmha::TensorView<dcmha::acc_t<T>, 3>, const dcmha::ComposeWeights<T>&, dcmha::Workspace*); \
-  PREFIX void dcmha::detail::backward_impl<T>(                                                    \
+      dcmha::TensorView<const T, 4>, dcmha::TensorView<T, 4>,                                      \
+      dcmha::TensorView<dcmha::acc_t<T>, 3>, const dcmha::ComposeWeights<T>&, dcmha::Workspace*);  \
+  PREFIX void dcmha::detail::backward_impl<T>(                                                     \
       const dcmha::AttentionConfig&, dcmha::TensorView<const T, 4>, dcmha::TensorView<const T, 4>, \
-      dcmha::TensorView<const T, 4>, dcmha::TensorView<const dcmha::acc_t<T>, 3>,                \
-      dcmha::TensorView<const T, 4>, dcmha::TensorView<T, 4>, dcmha::TensorView<T, 4>,           \
-      dcmha::TensorView<T, 4>, const dcmha::ComposeWeights<T>&, const dcmha::ComposeGrads<T>&,   \
+      dcmha::TensorView<const T, 4>, dcmha::TensorView<const dcmha::acc_t<T>, 3>,                  \
+      dcmha::TensorView<const T, 4>, dcmha::TensorView<T, 4>, dcmha::TensorView<T, 4>,             \
+      dcmha::TensorView<T, 4>, const dcmha::ComposeWeights<T>&, const dcmha::ComposeGrads<T>&,     \
       dcmha::Workspace*);
 
-#define DCMHA_TEST_DECODE_INSTANCES(PREFIX, T)                                                 \
-  PREFIX void dcmha::detail::decode_impl<T>(                                                   \
+#define DCMHA_TEST_DECODE_INSTANCES(PREFIX, T)                                                    \
+  PREFIX void dcmha::detail::decode_impl<T>(                                                      \
       const dcmha::AttentionConfig&, dcmha::TensorView<const T, 4>, const dcmha::DecodeCache<T>&, \
       const dcmha::ComposeWeights<T>&, dcmha::TensorView<T, 4>, dcmha::Workspace*);
 
-#define DCMHA_TEST_PROJECTION_INSTANCES(PREFIX, T)                                           \
-  PREFIX void dcmha::detail::dynamic_weights_forward_impl<T>(                                \
-      const dcmha::ProjectionConfig&, dcmha::TensorView<const T, 3>,                         \
-      const dcmha::DynamicWeightProjection<T>&, const dcmha::DynamicWeights<T>&,             \
-      dcmha::ProjectionActivations<T>*);                                                     \
-  PREFIX void dcmha::detail::dynamic_weights_backward_impl<T>(                               \
-      const dcmha::ProjectionConfig&, dcmha::TensorView<const T, 3>,                         \
-      const dcmha::DynamicWeightProjection<T>&, const dcmha::DynamicWeights<const T>&,       \
-      dcmha::TensorView<T, 3>, const dcmha::DynamicWeightProjectionGrads<T>&,                \
+#define DCMHA_TEST_PROJECTION_INSTANCES(PREFIX, T)                                     \
+  PREFIX void dcmha::detail::dynamic_weights_forward_impl<T>(                          \
+      const dcmha::ProjectionConfig&, dcmha::TensorView<const T, 3>,                   \
+      const dcmha::DynamicWeightProjection<T>&, const dcmha::DynamicWeights<T>&,       \
+      dcmha::ProjectionActivations<T>*);                                               \
+  PREFIX void dcmha::detail::dynamic_weights_backward_impl<T>(                         \
+      const dcmha::ProjectionConfig&, dcmha::TensorView<const T, 3>,                   \
+      const dcmha::DynamicWeightProjection<T>&, const dcmha::DynamicWeights<const T>&, \
+      dcmha::TensorView<T, 3>, const dcmha::DynamicWeightProjectionGrads<T>&,          \
       const dcmha::ProjectionActivations<T>*);
 
-#define DCMHA_TEST_ALL_INSTANCES(PREFIX)             \
-  DCMHA_TEST_ATTENTION_INSTANCES(PREFIX, float)      \
-  DCMHA_TEST_ATTENTION_INSTANCES(PREFIX, double)     \
+#define DCMHA_TEST_ALL_INSTANCES(PREFIX)              \
+  DCMHA_TEST_ATTENTION_INSTANCES(PREFIX, float)       \
+  DCMHA_TEST_ATTENTION_INSTANCES(PREFIX, double)      \
   DCMHA_TEST_ATTENTION_INSTANCES(PREFIX, dcmha::bf16) \
-  DCMHA_TEST_DECODE_INSTANCES(PREFIX, float)         \
-  DCMHA_TEST_DECODE_INSTANCES(PREFIX, double)        \
-  DCMHA_TEST_PROJECTION_INSTANCES(PREFIX, float)     \
+  DCMHA_TEST_DECODE_INSTANCES(PREFIX, float)          \
+  DCMHA_TEST_DECODE_INSTANCES(PREFIX, double)         \
+  DCMHA_TEST_PROJECTION_INSTANCES(PREFIX, float)      \
   DCMHA_TEST_PROJECTION_INSTANCES(PREFIX, double)
 
 DCMHA_TEST_ALL_INSTANCES(extern template)

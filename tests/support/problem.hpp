@@ -47,12 +47,12 @@ struct ProblemSpec {
       if (s.key_wise) r += "k";
       return r.empty() ? std::string("-") : r;
     };
-    return "B" + std::to_string(B) + " H" + std::to_string(H) + " Hk" + std::to_string(Hk) +
-           " T" + std::to_string(T) + " S" + std::to_string(S) + " D" + std::to_string(D) +
-           " Dv" + std::to_string(Dv) + " G" + std::to_string(G) + " Rq" + std::to_string(Rq) +
-           " Rk" + std::to_string(Rk) + (causal ? " causal" : " full") +
-           (window > 0 ? " window" + std::to_string(window) : std::string()) + " pre=" +
-           side(pre) + " post=" + side(post);
+    return "B" + std::to_string(B) + " H" + std::to_string(H) + " Hk" + std::to_string(Hk) + " T" +
+           std::to_string(T) + " S" + std::to_string(S) + " D" + std::to_string(D) + " Dv" +
+           std::to_string(Dv) + " G" + std::to_string(G) + " Rq" + std::to_string(Rq) + " Rk" +
+           std::to_string(Rk) + (causal ? " causal" : " full") +
+           (window > 0 ? " window" + std::to_string(window) : std::string()) + " pre=" + side(pre) +
+           " post=" + side(post);
   }
 };
 
@@ -83,7 +83,14 @@ class Rng {
 /// stays well conditioned.
 inline reference::Problem random_problem(const ProblemSpec& s, uint64_t seed) {
   reference::Problem p;
-  p.B = s.B; p.H = s.H; p.Hk = s.Hk; p.T = s.T; p.S = s.S; p.D = s.D; p.Dv = s.Dv; p.G = s.G;
+  p.B = s.B;
+  p.H = s.H;
+  p.Hk = s.Hk;
+  p.T = s.T;
+  p.S = s.S;
+  p.D = s.D;
+  p.Dv = s.Dv;
+  p.G = s.G;
   p.causal = s.causal;
   p.window = s.window;
   p.scale = s.scale;
@@ -235,13 +242,13 @@ class TypedProblem {
     from_canonical(view4(dout_.data(), p_.H, p_.T, p_.Dv), dout);
   }
 
-  ComposeWeights<T> compose() const {
-    return {terms(p_.pre, pre_), terms(p_.post, post_)};
-  }
+  ComposeWeights<T> compose() const { return {terms(p_.pre, pre_), terms(p_.post, post_)}; }
   ComposeGrads<T> dcompose() { return {term_grads(p_.pre, dpre_), term_grads(p_.post, dpost_)}; }
 
   /// Results read back in the reference's layouts.
-  std::vector<double> out_values() const { return to_canonical(view4(out_.data(), p_.H, p_.T, p_.Dv)); }
+  std::vector<double> out_values() const {
+    return to_canonical(view4(out_.data(), p_.H, p_.T, p_.Dv));
+  }
   std::vector<double> lse_values() const {
     return to_canonical(view<3>(lse_.data(), {p_.B, p_.H, p_.T}));
   }
@@ -271,7 +278,9 @@ class TypedProblem {
   Shape<5> lowrank_shape(index_t L, index_t R) const { return {p_.B, L, p_.G, R, M()}; }
   Shape<4> gate_shape(index_t L) const { return {p_.B, L, p_.G, M()}; }
 
-  static std::vector<T> cast(const std::vector<double>& x) { return std::vector<T>(x.begin(), x.end()); }
+  static std::vector<T> cast(const std::vector<double>& x) {
+    return std::vector<T>(x.begin(), x.end());
+  }
 
   static void copy_side(const reference::ComposeSide& c, SideBuffers& in, SideBuffers& grad) {
     const T nan = std::numeric_limits<T>::quiet_NaN();
@@ -392,13 +401,14 @@ double max_abs_error(const std::vector<double>& expected, const std::vector<T>& 
 template <class Grads>
 inline auto named_gradients(Grads& g) {
   static_assert(std::is_same_v<std::remove_const_t<Grads>, reference::Gradients>);
-  using Vec = std::conditional_t<std::is_const_v<Grads>, const std::vector<double>,
-                                 std::vector<double>>;
+  using Vec =
+      std::conditional_t<std::is_const_v<Grads>, const std::vector<double>, std::vector<double>>;
   using Side = std::conditional_t<std::is_const_v<Grads>, const reference::ComposeSide,
                                   reference::ComposeSide>;
   std::vector<std::pair<std::string, Vec*>> out = {
       {"grad_q", &g.dq}, {"grad_k", &g.dk}, {"grad_v", &g.dv}};
-  for (const auto& [side, c] : {std::pair<std::string, Side*>{"pre", &g.dpre}, {"post", &g.dpost}}) {
+  for (const auto& [side, c] :
+       {std::pair<std::string, Side*>{"pre", &g.dpre}, {"post", &g.dpost}}) {
     const std::string prefix = "grad_" + side + "_";
     if (c->static_w) out.emplace_back(prefix + "w", &c->w);
     if (c->query_wise) {

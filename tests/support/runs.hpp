@@ -22,7 +22,8 @@ namespace dcmha::test {
 
 /// The first index at which a and b differ bit for bit (or where the shorter one ends), -1 if
 /// they are the same.
-inline int64_t first_bitwise_difference(const std::vector<double>& a, const std::vector<double>& b) {
+inline int64_t first_bitwise_difference(const std::vector<double>& a,
+                                        const std::vector<double>& b) {
   const size_t n = std::min(a.size(), b.size());
   for (size_t i = 0; i < n; ++i)
     if (std::memcmp(&a[i], &b[i], sizeof(double)) != 0) return int64_t(i);
@@ -72,12 +73,12 @@ template <class T>
 void forward_backward(TypedProblem<T>& tp, const AttentionConfig& cfg, Workspace* ws = nullptr) {
   if (ws) {
     forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose(), *ws);
-    backward(cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(), tp.dv(), tp.compose(),
-             tp.dcompose(), *ws);
+    backward(cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(), tp.dv(),
+             tp.compose(), tp.dcompose(), *ws);
   } else {
     forward(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
-    backward(cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(), tp.dv(), tp.compose(),
-             tp.dcompose());
+    backward(cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(), tp.dv(),
+             tp.compose(), tp.dcompose());
   }
 }
 
@@ -91,10 +92,12 @@ inline std::vector<double> reference_lse(const reference::Problem& p) {
       for (int64_t t = 0; t < p.T; ++t) {
         double mx = -std::numeric_limits<double>::infinity(), sum = 0;
         for (int64_t s = 0; s < p.S; ++s)
-          if (reference::detail::visible(p, b, t, s)) mx = std::max(mx, it.Lc[size_t(reference::detail::at_bhts(p, b, h, t, s))]);
+          if (reference::detail::visible(p, b, t, s))
+            mx = std::max(mx, it.Lc[size_t(reference::detail::at_bhts(p, b, h, t, s))]);
         if (mx == -std::numeric_limits<double>::infinity()) continue;
         for (int64_t s = 0; s < p.S; ++s)
-          if (reference::detail::visible(p, b, t, s)) sum += std::exp(it.Lc[size_t(reference::detail::at_bhts(p, b, h, t, s))] - mx);
+          if (reference::detail::visible(p, b, t, s))
+            sum += std::exp(it.Lc[size_t(reference::detail::at_bhts(p, b, h, t, s))] - mx);
         lse[size_t((b * p.H + h) * p.T + t)] = mx + std::log(sum);
       }
   return lse;
@@ -114,9 +117,15 @@ TensorView<T, N> slice(TensorView<T, N> v, int dim, index_t start, index_t n) {
 
 /// A cache for p's keys: its sizes, window and key-wise switches (global layers hold `capacity`
 /// tokens per sequence).
-inline DecodeCacheConfig cache_config(const reference::Problem& p, index_t capacity, index_t max_step) {
+inline DecodeCacheConfig cache_config(const reference::Problem& p, index_t capacity,
+                                      index_t max_step) {
   DecodeCacheConfig c;
-  c.B = p.B; c.H = p.H; c.Hk = p.Hk; c.D = p.D; c.Dv = p.Dv; c.G = p.G;
+  c.B = p.B;
+  c.H = p.H;
+  c.Hk = p.Hk;
+  c.D = p.D;
+  c.Dv = p.Dv;
+  c.G = p.G;
   c.pre_key_wise = p.pre.key_wise;
   c.post_key_wise = p.post.key_wise;
   c.Rk = p.pre.key_wise ? p.pre.Rk : p.post.key_wise ? p.post.Rk : 0;
@@ -162,9 +171,9 @@ ComposeWeights<T> key_side_of(const ComposeWeights<T>& cw, index_t s0, index_t n
 /// Tokens [start[b], start[b] + count[b]) of every sequence b of a canonical tensor whose dim
 /// `td` is the token dim, packed to the front of a tensor with n tokens; the rest is `fill`.
 template <class T>
-std::vector<T> gather_tokens(const std::vector<double>& src, const std::vector<int64_t>& shape, int td,
-                             const std::vector<int64_t>& start, const std::vector<int64_t>& count,
-                             int64_t n, double fill) {
+std::vector<T> gather_tokens(const std::vector<double>& src, const std::vector<int64_t>& shape,
+                             int td, const std::vector<int64_t>& start,
+                             const std::vector<int64_t>& count, int64_t n, double fill) {
   std::vector<int64_t> out_shape = shape;
   out_shape[size_t(td)] = n;
   int64_t total = 1;
@@ -204,8 +213,8 @@ inline DecodeSchedule uniform_schedule(int64_t B, int64_t length, int64_t prefil
 /// sequence with a smaller count) is NaN, so that reading it shows.
 template <class T>
 std::vector<std::vector<double>> decode_steps(const reference::Problem& p, DecodeCache<T>& cache,
-                                              const DecodeSchedule& schedule, const AttentionConfig& cfg,
-                                              Workspace* ws = nullptr) {
+                                              const DecodeSchedule& schedule,
+                                              const AttentionConfig& cfg, Workspace* ws = nullptr) {
   const int64_t B = p.B, H = p.H, Hk = p.Hk, L = p.T, D = p.D, Dv = p.Dv, G = p.G, M = H / G;
   const double nan = std::numeric_limits<double>::quiet_NaN();
   cache.reset();
@@ -268,8 +277,10 @@ std::vector<std::vector<double>> decode_steps(const reference::Problem& p, Decod
 /// Decode's rows placed at their token positions, (B, H, T, Dv) row-major; rows past a
 /// sequence's tokens are 0. `padding_nonzero` counts padding rows (beyond a step's count) that
 /// were not exactly 0.
-inline std::vector<double> assemble_rows(const reference::Problem& p, const DecodeSchedule& schedule,
-                                         const std::vector<std::vector<double>>& outs, int64_t& padding_nonzero) {
+inline std::vector<double> assemble_rows(const reference::Problem& p,
+                                         const DecodeSchedule& schedule,
+                                         const std::vector<std::vector<double>>& outs,
+                                         int64_t& padding_nonzero) {
   const int64_t B = p.B, H = p.H, L = p.T, Dv = p.Dv;
   std::vector<double> rows(size_t(B * H * L * Dv), 0.0);
   std::vector<int64_t> done(size_t(B), 0);

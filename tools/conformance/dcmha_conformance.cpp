@@ -113,12 +113,13 @@ void check_core(const CaseFile& cf, Report& r, std::set<std::string>& used) {
     return s.empty() ? std::string("off") : s.substr(1);
   };
   const std::string window = p.window > 0 ? " window " + std::to_string(p.window) : "";
-  std::printf("  core: B %lld H %lld Hk %lld T %lld S %lld D %lld Dv %lld G %lld, %s%s, "
-              "scale %.17g, pre [%s] post [%s]\n",
-              (long long)p.B, (long long)p.H, (long long)p.Hk, (long long)p.T, (long long)p.S,
-              (long long)p.D, (long long)p.Dv, (long long)p.G, p.causal ? "causal" : "full",
-              window.c_str(), p.scale > 0 ? p.scale : 1.0 / std::sqrt(double(p.D)),
-              terms(p.pre).c_str(), terms(p.post).c_str());
+  std::printf(
+      "  core: B %lld H %lld Hk %lld T %lld S %lld D %lld Dv %lld G %lld, %s%s, "
+      "scale %.17g, pre [%s] post [%s]\n",
+      (long long)p.B, (long long)p.H, (long long)p.Hk, (long long)p.T, (long long)p.S,
+      (long long)p.D, (long long)p.Dv, (long long)p.G, p.causal ? "causal" : "full", window.c_str(),
+      p.scale > 0 ? p.scale : 1.0 / std::sqrt(double(p.D)), terms(p.pre).c_str(),
+      terms(p.post).c_str());
   run_core<double>(cf, p, r);
   run_core<float>(cf, p, r);
 }
@@ -169,9 +170,12 @@ ProjectionCase projection_case(const CaseFile& cf) {
   c.spelled_g = c.G != 1;
 
   const std::string gelu = cf.meta_or("gelu", "erf");
-  if (gelu == "erf") c.cfg.gelu = dcmha::Gelu::erf;
-  else if (gelu == "tanh") c.cfg.gelu = dcmha::Gelu::tanh;
-  else cf.fail("meta gelu '" + gelu + "': expected erf or tanh", cf.meta_line("gelu"));
+  if (gelu == "erf")
+    c.cfg.gelu = dcmha::Gelu::erf;
+  else if (gelu == "tanh")
+    c.cfg.gelu = dcmha::Gelu::tanh;
+  else
+    cf.fail("meta gelu '" + gelu + "': expected erf or tanh", cf.meta_line("gelu"));
 
   // The norm's epsilon is only given inside a descriptive line ("... eps=1e-6").
   const std::string norm = cf.meta_or("w1_norm", "");
@@ -278,7 +282,8 @@ void run_projection(const CaseFile& cf, const ProjectionCase& c, Report& r) {
     for (int i = 0; i < 6; ++i)
       if (const CaseTensor* t = cf.find(std::string("d") + kSides[s] + "_" + kOutputs[i]))
         dout.buf[s][i] = cast<T>(t->values);
-  std::vector<T> dx(x.size(), nan), ddw1(dw1.size(), nan), dqkw(qkw.size(), nan), ddd(dd.size(), nan);
+  std::vector<T> dx(x.size(), nan), ddw1(dw1.size(), nan), dqkw(qkw.size(), nan),
+      ddd(dd.size(), nan);
   dcmha::DynamicWeightProjectionGrads<T> grads;
   grads.dw1 = dcmha::view<4>(ddw1.data(), {c.E, c.G, 4, c.K});
   grads.qkw = dcmha::view<5>(dqkw.data(), {c.G, 4, c.K, 2 * c.R, c.M});
@@ -336,9 +341,12 @@ int run_file(const std::string& path) {
     const CaseFile cf = dcmha::test::read_case_file(path);
     const std::string kind = cf.meta("kind");
     std::set<std::string> used;
-    if (kind == "core") check_core(cf, r, used);
-    else if (kind == "projection") check_projection(cf, r, used);
-    else cf.fail("meta kind '" + kind + "': expected core or projection", cf.meta_line("kind"));
+    if (kind == "core")
+      check_core(cf, r, used);
+    else if (kind == "projection")
+      check_projection(cf, r, used);
+    else
+      cf.fail("meta kind '" + kind + "': expected core or projection", cf.meta_line("kind"));
     // Not an error (a newer generator may add extras), but nothing may go unchecked unnoticed.
     for (const CaseTensor& t : cf.tensors)
       if (!used.count(t.name))

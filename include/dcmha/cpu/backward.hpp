@@ -37,7 +37,8 @@ namespace dcmha::cpu {
 
 namespace detail_bwd {
 
-/// Writes one side's key-wise gradient accumulators of group g to the caller's tensors, keys [s0, s1).
+/// Writes one side's key-wise gradient accumulators of group g to the caller's tensors, keys [s0,
+/// s1).
 template <class A, class T>
 void store_key_grads(const ComposeSide<A>& c, const ComposeKeyGrads<A>& kg,
                      const ComposeTermGrads<T>& out, index_t b, index_t g, index_t s0, index_t s1) {
@@ -81,7 +82,8 @@ void zero_rows(const TensorView<T, 4>& x, int tid, int nth) {
   index_t r0, r1;
   split_range(0, rows, tid, nth, 1, r0, r1);
   for (index_t r = r0; r < r1; ++r) {
-    const index_t b = r / (x.shape[1] * x.shape[2]), h = r / x.shape[2] % x.shape[1], t = r % x.shape[2];
+    const index_t b = r / (x.shape[1] * x.shape[2]), h = r / x.shape[2] % x.shape[1],
+                  t = r % x.shape[2];
     T* p = x.data + b * x.stride[0] + h * x.stride[1] + t * x.stride[2];
     for (index_t e = 0; e < x.shape[3]; ++e) p[e] = T(0);
   }
@@ -112,11 +114,11 @@ struct BackwardWorkspace : SlabLayout {
   ComposeSide<A> pre, post;
   ComposeKeyGrads<A> pre_kg, post_kg;
   A *Lp = nullptr, *Pp = nullptr, *dPp = nullptr;  // [tile][row][m][key], see SlabLayout
-  Buffer<A> d_tile;                                 // [tile][m][row]: D over the tile's keys
-  Buffer<A> p_tile;                                 // [tile][m][row]: P over the tile's keys
+  Buffer<A> d_tile;                                // [tile][m][row]: D over the tile's keys
+  Buffer<A> p_tile;                                // [tile][m][row]: P over the tile's keys
   Buffer<A> pre_rg, post_rg;  // [tile][row][ComposeRowGrads::size]: query-wise gradient sums
-  Buffer<A> dw_tile;                                // [tile][side][m][n], sides with static W
-  A *qall = nullptr, *oall = nullptr;               // [m][row][D or Dv]: the block's Q (scaled), dO
+  Buffer<A> dw_tile;          // [tile][side][m][n], sides with static W
+  A *qall = nullptr, *oall = nullptr;  // [m][row][D or Dv]: the block's Q (scaled), dO
   TileQueue pass1, pass2;
   std::atomic<index_t> heads_taken{0};  // dQ's heads: a ticket counter, never reset
 
@@ -187,7 +189,8 @@ struct BackwardWorkspace : SlabLayout {
     const index_t budget = std::clamp<index_t>((index_t(256) << 20) / std::max<index_t>(items, 1),
                                                index_t(48) << 20, index_t(128) << 20);
     const index_t max_rows = mask.window > 0 ? 64 : 128;
-    Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(max_rows)), d.T, 3, budget, max_rows);
+    Bq = query_block_rows<A>(M, padded_stride<A>(mask.max_block_keys(max_rows)), d.T, 3, budget,
+                             max_rows);
     // Keys per tile: the tile's slabs of the three panels (3 x M x Bq x tile values, at least 32
     // keys: 1.5 MiB at H32 with 128-row blocks) are produced and consumed while they are in L2
     // or close to it, as in the forward. Whole-panel sweeps made every Compose step of the
@@ -211,10 +214,13 @@ struct BackwardThreadBuffers {
   A* kbuf = nullptr;
 
   /// For thread `thread` of a call whose team works with `ws` (initialized).
-  BackwardThreadBuffers(const BackwardWorkspace<A>& ws, const detail::AttentionDims& d, Workspace& mem,
-                        int thread)
-      : pre_rows(ws.Bq), post_rows(ws.Bq), scratch(std::max(ws.pre.scratch_size(), ws.post.scratch_size())),
-        row_d(ws.Bq * d.M), dq_rows(ws.Bq * d.D) {
+  BackwardThreadBuffers(const BackwardWorkspace<A>& ws, const detail::AttentionDims& d,
+                        Workspace& mem, int thread)
+      : pre_rows(ws.Bq),
+        post_rows(ws.Bq),
+        scratch(std::max(ws.pre.scratch_size(), ws.post.scratch_size())),
+        row_d(ws.Bq * d.M),
+        dq_rows(ws.Bq * d.D) {
     for (auto& r : pre_rows) r.init(ws.pre);
     for (auto& r : post_rows) r.init(ws.post);
     if (ws.post.on) ptile = detail::WorkspaceAccess::per_thread<A>(mem, thread, 0, ws.slab);
@@ -284,8 +290,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   // Head m's live rows of the block at t0 into qall / oall.
   auto pack_head = [&](index_t t0, const LiveRows& r, index_t m) {
     const index_t h = g * M + m;
-    pack_rows<A>(r.n, D, row_ptr(q, b, h, t0 + r.lo), q.stride[2], qall + (m * Bq + r.lo) * D, D, scale);
-    pack_rows<A>(r.n, Dv, row_ptr(dout, b, h, t0 + r.lo), dout.stride[2], oall + (m * Bq + r.lo) * Dv, Dv);
+    pack_rows<A>(r.n, D, row_ptr(q, b, h, t0 + r.lo), q.stride[2], qall + (m * Bq + r.lo) * D, D,
+                 scale);
+    pack_rows<A>(r.n, Dv, row_ptr(dout, b, h, t0 + r.lo), dout.stride[2],
+                 oall + (m * Bq + r.lo) * Dv, Dv);
   };
 
   index_t s0, s1;
@@ -296,7 +304,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   index_t m0, m1;
   split_range(0, M, tid, nth, 1, m0, m1);
   const LiveRows first = live_rows_of(0);
-  for (index_t m = m0; m < m1; ++m) pack_head(0, first, m);  // later blocks' are packed in the dQ loop
+  for (index_t m = m0; m < m1; ++m)
+    pack_head(0, first, m);  // later blocks' are packed in the dQ loop
   const index_t heads_base = ws.heads_taken.load(std::memory_order_relaxed);
   team.sync();
   for (index_t t0 = 0, block = 0; t0 < d.T; t0 += Bq, ++block) {
@@ -313,9 +322,14 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       pre_rows[i].load(pre, cw.pre, b, t0 + i, g);
       post_rows[i].load(post, cw.post, b, t0 + i, g);
     }
-    // A head's packed Q and dO rows, for the product before theirs to ask for (null past the last head).
-    auto q_rows = [&](index_t m) { return next_rows(m < M ? qall + (m * Bq + lo) * D : nullptr, nl, D, D); };
-    auto dout_rows = [&](index_t m) { return next_rows(m < M ? oall + (m * Bq + lo) * Dv : nullptr, nl, Dv, Dv); };
+    // A head's packed Q and dO rows, for the product before theirs to ask for (null past the last
+    // head).
+    auto q_rows = [&](index_t m) {
+      return next_rows(m < M ? qall + (m * Bq + lo) * D : nullptr, nl, D, D);
+    };
+    auto dout_rows = [&](index_t m) {
+      return next_rows(m < M ? oall + (m * Bq + lo) * Dv : nullptr, nl, Dv, Dv);
+    };
     // Tile `tile`'s keys [cs, ce) and its slabs.
     struct TileKeys {
       index_t cs, ce, n;
@@ -350,7 +364,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       A* const dw_post_tile = zero_tile_grads(post, 1, tile);
       for (index_t m = 0; m < M; ++m) {
         const index_t hk = (g * M + m) / group_of_kv;
-        // Scores from the packed, scaled Q rows (contiguous) rather than the caller's (a page apart).
+        // Scores from the packed, scaled Q rows (contiguous) rather than the caller's (a page
+        // apart).
         gemm_abt<A>(nl, n, D, qall + (m * Bq + lo) * D, D, row_ptr(k, b, hk, cs), k.stride[2],
                     Ls + lo * rs + m * tw, rs, A(1), kbuf,
                     {next_rows(next_head(k, m, cs), n, k.stride[2], D), dout_rows(m)});
@@ -385,12 +400,13 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i)
-            post_fn(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, ptile + i * rs + (s - cs),
-                    tw, nullptr, scratch.data(), nullptr);
+            post_fn(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw,
+                    ptile + i * rs + (s - cs), tw, nullptr, scratch.data(), nullptr);
         }
       for (index_t m = 0; m < M; ++m)
         gemm_nn<A>(n, Dv, nl, Pt + lo * rs + m * tw, 1, rs, oall + (m * Bq + lo) * Dv, Dv,
-                   row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true, {{}, dout_rows(m + 1)});
+                   row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true,
+                   {{}, dout_rows(m + 1)});
       if (post.on) {
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
@@ -450,12 +466,14 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
             A* gp = dPs + i * rs + (s - cs);
             ComposeRowGrads<A> rg = ws.row_grads(pre, 0, tile, i);
             pre_bwd(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, gp, tw, gp, tw, rg,
-                    ws.pre_kg, dw_pre_tile, scratch.data(), i + 1 < hi ? Ls + (i + 1) * rs + (s - cs) : nullptr, tw);
+                    ws.pre_kg, dw_pre_tile, scratch.data(),
+                    i + 1 < hi ? Ls + (i + 1) * rs + (s - cs) : nullptr, tw);
           }
         }
       for (index_t m = 0; m < M; ++m)
         gemm_nn<A>(n, D, nl, dPs + lo * rs + m * tw, 1, rs, qall + (m * Bq + lo) * D, D,
-                   row_ptr(dk, b, (g * M + m) / group_of_kv, cs), dk.stride[2], true, {{}, q_rows(m + 1)});
+                   row_ptr(dk, b, (g * M + m) / group_of_kv, cs), dk.stride[2], true,
+                   {{}, q_rows(m + 1)});
     }
     ws.pass1.reset(tid, nth, tiles_of(t1));  // every take() of this block's pass 1 is done
     team.sync();
@@ -467,7 +485,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     // may take, but its K rows are then on their way into L3).
     const index_t heads_ticket = heads_base + block * (M + nth);
     const LiveRows next_block = live_rows_of(t1);
-    for (index_t m; (m = ws.heads_taken.fetch_add(1, std::memory_order_relaxed) - heads_ticket) < M;) {
+    for (index_t m;
+         (m = ws.heads_taken.fetch_add(1, std::memory_order_relaxed) - heads_ticket) < M;) {
       const index_t hk = (g * M + m) / group_of_kv;
       for (index_t tile = 0; tile < ntiles; ++tile) {
         const index_t cs = c0 + tile * tw, n = std::min(c1, cs + tw) - cs;
@@ -475,14 +494,15 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         NextReads next;
         if (tile + 1 < ntiles) {
           const index_t nn = std::min(tw, c1 - cs - tw);
-          next = {next_rows(row_ptr(k, b, hk, cs + tw), nn, k.stride[2], D), next_rows(dL + ws.slab, nl, rs, nn)};
+          next = {next_rows(row_ptr(k, b, hk, cs + tw), nn, k.stride[2], D),
+                  next_rows(dL + ws.slab, nl, rs, nn)};
         } else if (m + 1 < M) {
           const index_t nn = std::min(tw, c1 - c0);
           next = {next_rows(row_ptr(k, b, (g * M + m + 1) / group_of_kv, c0), nn, k.stride[2], D),
                   next_rows(ws.slab_of(ws.dPp, 0) + lo * rs + (m + 1) * tw, nl, rs, nn)};
         }
-        gemm_ab<A>(nl, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows.data() + lo * D, D,
-                   tile > 0, kbuf, scale, next);
+        gemm_ab<A>(nl, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows.data() + lo * D,
+                   D, tile > 0, kbuf, scale, next);
       }
       for (index_t i = 0; i < nr; ++i) {
         T* out = row_ptr(dq, b, g * M + m, t0 + i);
@@ -500,10 +520,10 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     split_range(0, nr, tid, nth, 1, r0, r1);
     for (index_t i = r0; i < r1; ++i) {
       const index_t count = i >= lo && i < hi ? ntiles : 0;
-      store_row_grads(pre, ws.row_grads(pre, 0, 0, i).sums, Bq * ComposeRowGrads<A>::size(pre), count,
-                      dcw.pre, b, t0 + i, g, scratch.data());
-      store_row_grads(post, ws.row_grads(post, 1, 0, i).sums, Bq * ComposeRowGrads<A>::size(post), count,
-                      dcw.post, b, t0 + i, g, scratch.data());
+      store_row_grads(pre, ws.row_grads(pre, 0, 0, i).sums, Bq * ComposeRowGrads<A>::size(pre),
+                      count, dcw.pre, b, t0 + i, g, scratch.data());
+      store_row_grads(post, ws.row_grads(post, 1, 0, i).sums, Bq * ComposeRowGrads<A>::size(post),
+                      count, dcw.post, b, t0 + i, g, scratch.data());
     }
     if (tid == 0)
       for (int which = 0; which < 2; ++which) {
@@ -590,7 +610,8 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
       if (!errors.failed()) {
 #pragma omp for schedule(dynamic, 1)
         for (index_t it = 0; it < items; ++it) {
-          const index_t b = it / (G / groups_per_item), g0 = it % (G / groups_per_item) * groups_per_item;
+          const index_t b = it / (G / groups_per_item),
+                        g0 = it % (G / groups_per_item) * groups_per_item;
           const index_t hk0 = g0 * M / group_of_kv, hk1 = (g0 + groups_per_item) * M / group_of_kv;
           for (index_t hk = hk0; hk < hk1; ++hk)
             for (index_t s = 0; s < d.S; ++s) {
@@ -598,8 +619,9 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
               mutable_rows_of(dv_acc, b, hk, s, 1).setZero();
             }
           for (index_t g = g0; g < g0 + groups_per_item; ++g)
-            backward_group(Team{0, 1}, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc, dv_acc,
-                           cw, dcw, dw_slot(dw_pre, b, g), dw_slot(dw_post, b, g), *buffers);
+            backward_group(Team{0, 1}, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc,
+                           dv_acc, cw, dcw, dw_slot(dw_pre, b, g), dw_slot(dw_post, b, g),
+                           *buffers);
           if constexpr (narrow) {
             narrow_rows(dk_acc, dk, (b * d.Hk + hk0) * d.S, (b * d.Hk + hk1) * d.S);
             narrow_rows(dv_acc, dv, (b * d.Hk + hk0) * d.S, (b * d.Hk + hk1) * d.S);
@@ -622,8 +644,8 @@ void backward(const AttentionConfig& cfg, const detail::AttentionDims& d, Tensor
         team.sync();
         for (index_t b = 0; b < d.B; ++b)
           for (index_t g = 0; g < G; ++g)
-            backward_group(team, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc, dv_acc, cw, dcw,
-                           dw_slot(dw_pre, b, g), dw_slot(dw_post, b, g), *buffers);
+            backward_group(team, ws, mask, scale, d, b, g, q, k, v, lse, dout, dq, dk_acc, dv_acc,
+                           cw, dcw, dw_slot(dw_pre, b, g), dw_slot(dw_post, b, g), *buffers);
         if constexpr (narrow) {  // backward_group ends at a barrier: every block has added its part
           index_t r0, r1;
           split_range(0, d.B * d.Hk * d.S, team.rank, team.size, 1, r0, r1);

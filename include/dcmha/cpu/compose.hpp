@@ -80,8 +80,8 @@ struct ComposeSide {
     }
   }
 
-  /// Loads group g of batch b; key-wise terms for keys [s0, s1) only, so threads can share the work.
-  /// What is not per key is written by the one caller whose non-empty share starts at key 0
+  /// Loads group g of batch b; key-wise terms for keys [s0, s1) only, so threads can share the
+  /// work. What is not per key is written by the one caller whose non-empty share starts at key 0
   /// (with fewer keys than threads, several shares are empty and start there too).
   template <class T>
   void load(const ComposeTerms<T>& c, index_t b, index_t g, index_t s0, index_t s1,
@@ -117,8 +117,8 @@ struct ComposeSide {
   }
 
  private:
-  /// kw1 / kw2 element (b, s, g, r, m) at (r * M + m) * ld + s from the (b, g) origin, kdd (b, s, g, m)
-  /// at m * ld + s, one ld for all three.
+  /// kw1 / kw2 element (b, s, g, r, m) at (r * M + m) * ld + s from the (b, g) origin, kdd (b, s,
+  /// g, m) at m * ld + s, one ld for all three.
   template <class T>
   bool kernel_layout(const ComposeTerms<T>& c) const {
     const index_t l = c.kdd.stride[3];
@@ -167,9 +167,9 @@ template <class A>
 inline void compose_chunk(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s, int n,
                           const A* src, index_t src_hs, A* dst, index_t dst_hs, A* scratch) {
   const index_t M = c.M, Rq = c.Rq, Rk = c.Rk, ld = c.ld;
-  A* qh = scratch;                 // [Rq][kChunk]
-  A* kh = qh + Rq * kChunk;        // [Rk][kChunk]
-  A* mix = kh + Rk * kChunk;       // [M][kChunk], static term staged (dst may alias src)
+  A* qh = scratch;            // [Rq][kChunk]
+  A* kh = qh + Rq * kChunk;   // [Rk][kChunk]
+  A* mix = kh + Rk * kChunk;  // [M][kChunk], static term staged (dst may alias src)
   for (index_t i = 0; i < (Rq + Rk) * kChunk; ++i) qh[i] = A(0);
   for (index_t m = 0; m < M; ++m) {
     const A* a = src + m * src_hs;
@@ -274,11 +274,11 @@ inline void compose_chunk_backward(const ComposeSide<A>& c, const ComposeRow<A>&
                                    A* g, index_t g_hs, ComposeRowGrads<A>& rg,
                                    ComposeKeyGrads<A>& kg, A* dw, A* scratch) {
   const index_t M = c.M, Rq = c.Rq, Rk = c.Rk, ld = c.ld;
-  A* qh = scratch;                 // [Rq][kChunk]  sum_m a_m qw1_rm
-  A* kh = qh + Rq * kChunk;        // [Rk][kChunk]  sum_m a_m kw1_rm
-  A* gq = kh + Rk * kChunk;        // [Rq][kChunk]  sum_n qw2_rn gp_n
-  A* gk = gq + Rq * kChunk;        // [Rk][kChunk]  sum_n kw2_rn gp_n
-  A* mix = gk + Rk * kChunk;       // [M][kChunk]   static term staged (g may alias gp)
+  A* qh = scratch;            // [Rq][kChunk]  sum_m a_m qw1_rm
+  A* kh = qh + Rq * kChunk;   // [Rk][kChunk]  sum_m a_m kw1_rm
+  A* gq = kh + Rk * kChunk;   // [Rq][kChunk]  sum_n qw2_rn gp_n
+  A* gk = gq + Rq * kChunk;   // [Rk][kChunk]  sum_n kw2_rn gp_n
+  A* mix = gk + Rk * kChunk;  // [M][kChunk]   static term staged (g may alias gp)
   for (index_t i = 0; i < 2 * (Rq + Rk) * kChunk; ++i) qh[i] = A(0);
   for (index_t m = 0; m < M; ++m) {
     const A* am = a + m * a_hs;

@@ -39,7 +39,8 @@ struct TermPointers {
 /// `next`: the next row's src (null for none), whose same columns are asked for head by head.
 template <class A, int RQ, int RK, int JB>
 inline void compose_columns(index_t M, index_t ld, TermPointers<A> t, index_t j, const A* src,
-                            index_t src_hs, A* dst, index_t dst_hs, const A* in_scale, const A* next) {
+                            index_t src_hs, A* dst, index_t dst_hs, const A* in_scale,
+                            const A* next) {
   using V = typename Simd<A>::V;
   constexpr int L = Simd<A>::L;
   const A *qw1 = t.qw1, *qw2 = t.qw2, *qdd = t.qdd, *kw1 = t.kw1, *kw2 = t.kw2, *kdd = t.kdd;
@@ -75,8 +76,8 @@ inline void compose_columns(index_t M, index_t ld, TermPointers<A> t, index_t j,
 /// compose_chunk. in_scale (per head, or null) multiplies the input first: the forward folds the
 /// softmax normalization 1/l into Compose_post this way instead of sweeping the panel once more.
 /// `next`: the next row's src (same layout, null for none), asked for a cache line per head as
-/// this row reaches the same columns. The panels' rows come from L3 at M = 32 (a forward slab is 2 MiB);
-/// all M lines of the next row asked for at once before the call stalled on the prefetches
+/// this row reaches the same columns. The panels' rows come from L3 at M = 32 (a forward slab is 2
+/// MiB); all M lines of the next row asked for at once before the call stalled on the prefetches
 /// (A/B of the DCMHA forward at H32/D128/T2048, spread against at once: 0.93-1.00 over seven
 /// runs, median 0.96).
 template <class A, int RQ, int RK>
@@ -89,7 +90,8 @@ void compose_chunk_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, in
   int j = 0;
   for (; j + 2 * L <= n; j += 2 * L)
     compose_columns<A, RQ, RK, 2>(M, ld, t, j, src, src_hs, dst, dst_hs, in_scale, next);
-  for (; j + L <= n; j += L) compose_columns<A, RQ, RK, 1>(M, ld, t, j, src, src_hs, dst, dst_hs, in_scale, next);
+  for (; j + L <= n; j += L)
+    compose_columns<A, RQ, RK, 1>(M, ld, t, j, src, src_hs, dst, dst_hs, in_scale, next);
   if (j < n) {
     if (next) prefetch_rows(next + j, M, src_hs, (n - j) * index_t(sizeof(A)));
     if (in_scale) {

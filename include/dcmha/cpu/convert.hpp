@@ -5,9 +5,10 @@
 // (bf16 -> float is exact): caller tensors are widened while packing the tile products' operands,
 // which the float kernels pack anyway (key tiles, the backward's Q and dO rows), except where
 // float reads them in place: the forward's Q (packed once per query block) and decode-sized
-// blocks' K and V rows (copied in row order, so the few-rows products keep their arithmetic); results are accumulated in float buffers and
-// rounded to bf16 (to nearest, ties to even) once, when written to the caller's tensors. So a
-// bf16 result is the float kernels' result on the same inputs, rounded once.
+// blocks' K and V rows (copied in row order, so the few-rows products keep their arithmetic);
+// results are accumulated in float buffers and rounded to bf16 (to nearest, ties to even) once,
+// when written to the caller's tensors. So a bf16 result is the float kernels' result on the same
+// inputs, rounded once.
 #include <Eigen/Core>
 #include <type_traits>
 

@@ -37,7 +37,8 @@ namespace dcmha::cpu {
 /// `budget` bytes, between 32 and max_rows. More rows per block means fewer passes over K and V
 /// (each block reads all of its keys for all M heads, from DRAM once M x S x D outgrows the cache)
 /// and better reuse of each packed key tile; below 32 rows packing costs more than the products
-/// (measured: 4x slower at Bq = 8), so long sequences get panels over budget, still O(S) per thread.
+/// (measured: 4x slower at Bq = 8), so long sequences get panels over budget, still O(S) per
+/// thread.
 template <class A>
 inline index_t query_block_rows(index_t M, index_t ld, index_t T, index_t panels = 1,
                                 index_t budget = index_t(16) << 20, index_t max_rows = 64) {
@@ -66,7 +67,8 @@ struct SlabLayout {
   /// Tiles of as many keys as keep `panels` slabs within `budget` bytes (32..256 keys), for
   /// blocks of Bq rows that see at most `max_keys` keys, split across `team_size` ranks.
   template <class A>
-  void init_slabs(index_t M, index_t Bq, index_t panels, index_t budget, index_t max_keys, int team_size) {
+  void init_slabs(index_t M, index_t Bq, index_t panels, index_t budget, index_t max_keys,
+                  int team_size) {
     const index_t fit = budget / index_t(sizeof(A)) / (panels * M * Bq);
     tile = std::max<index_t>(32, std::min<index_t>(256, fit / 32 * 32));
     rs = padded_stride<A>(M * tile);  // off a power of two: the products write rows rs apart
@@ -76,7 +78,8 @@ struct SlabLayout {
     tiles = ((units + team_size - 1) / team_size * 16 + tile - 1) / tile;
   }
   index_t panel_size(int team_size) const { return team_size * tiles * slab; }
-  /// Offset of rank `rank`'s slab of tile number t; row i of it at + i * rs, head m's keys at + m * tile.
+  /// Offset of rank `rank`'s slab of tile number t; row i of it at + i * rs, head m's keys at + m *
+  /// tile.
   index_t slab_offset(int rank, index_t t) const { return (rank * tiles + t) * slab; }
 };
 
@@ -85,7 +88,7 @@ struct SlabLayout {
 template <class A>
 struct ForwardWorkspace : SlabLayout {
   index_t Bq = 0;
-  A* panel = nullptr;          // [rank][tile][row][m][key], see SlabLayout
+  A* panel = nullptr;  // [rank][tile][row][m][key], see SlabLayout
   // Outputs accumulate here, contiguous, and are written to the caller's tensor once per block
   // (summed over a key-split team, rounded once for narrow storage). Accumulated tile after tile
   // into the caller's rows, a page apart in the (B, T, H, D) layout, they had cost MHA's forward
@@ -105,22 +108,24 @@ struct ForwardWorkspace : SlabLayout {
   /// Long sequences stay below 64 rows (the budget: 56 at H16/T16384).
   static index_t block_rows(const detail::AttentionDims& d, const RowMask& mask, int threads) {
     const bool wide = mask.window == 0 && d.T >= 8 * 128 * index_t(threads);
-    return query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1, index_t(64) << 20,
-                               wide ? 128 : 64);
+    return query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(64)), d.T, 1,
+                               index_t(64) << 20, wide ? 128 : 64);
   }
 
   /// Values of Workspace memory one team of team_size threads needs: whole cache lines, so that
   /// panels carved one after another from a block keep its alignment, which the order of the
   /// reductions over them depends on (Buffer, tile.hpp).
   /// `rows`: block_rows() of the call.
-  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask, int team_size, index_t rows) {
+  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask, int team_size,
+                             index_t rows) {
     ForwardWorkspace w;
     w.layout(d, mask, team_size, rows);
     return round_up(w.panel_size(team_size) + w.o_part_size(d, team_size), 64 / index_t(sizeof(A)));
   }
 
   /// `memory`: memory_size() values, written before they are read.
-  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size, index_t rows, A* memory) {
+  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size, index_t rows,
+            A* memory) {
     layout(d, mask, team_size, rows);
     panel = memory;
     o_part = memory + panel_size(team_size);
@@ -178,16 +183,16 @@ template <class A>
 struct ForwardRows {
   std::vector<ComposeRow<A>> pre, post;  // query-wise terms of each row of a block
   Buffer<A> scratch;
-  Buffer<A> inv_sum;   // [row][m]: 1 / softmax denominator
-  Buffer<A> final_max; // [row][m]: the row maximum over all of its keys
-  Buffer<A> tile_max;  // [tile][row][m]: the running maximum tile's exponentials were taken at
-  Buffer<A> scale;     // [row][m]: what turns one tile's exponentials into probabilities
-  Buffer<A> kt;        // one key tile of K (transposed, scaled) or of V, packed contiguous
-  Buffer<A> q;         // narrow storage: a block's Q rows of every head, widened ([m][row][D])
+  Buffer<A> inv_sum;    // [row][m]: 1 / softmax denominator
+  Buffer<A> final_max;  // [row][m]: the row maximum over all of its keys
+  Buffer<A> tile_max;   // [tile][row][m]: the running maximum tile's exponentials were taken at
+  Buffer<A> scale;      // [row][m]: what turns one tile's exponentials into probabilities
+  Buffer<A> kt;         // one key tile of K (transposed, scaled) or of V, packed contiguous
+  Buffer<A> q;          // narrow storage: a block's Q rows of every head, widened ([m][row][D])
 
   /// Sized for the blocks and tiles of `ws` (already initialized).
-  ForwardRows(const ComposeSides<A>& sides, const ForwardWorkspace<A>& ws, const detail::AttentionDims& d,
-              bool narrow)
+  ForwardRows(const ComposeSides<A>& sides, const ForwardWorkspace<A>& ws,
+              const detail::AttentionDims& d, bool narrow)
       : pre(ws.Bq), post(ws.Bq) {
     const index_t Bq = ws.Bq, M = d.M;
     for (auto& r : pre) r.init(sides.pre);
@@ -211,11 +216,11 @@ struct ForwardRows {
 /// Compose_post's input scale), then P'V. Each panel value is written once and read once.
 template <class T, class A>
 void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& rows,
-                    const ComposeSides<A>& sides,
-                    const RowMask& mask, A scale, const detail::AttentionDims& d, index_t b,
-                    index_t g, index_t blk0, index_t blk1, TensorView<const T, 4> q,
-                    TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,
-                    TensorView<A, 3> lse, const ComposeWeights<T>& cw, const KeyRing& ring) {
+                    const ComposeSides<A>& sides, const RowMask& mask, A scale,
+                    const detail::AttentionDims& d, index_t b, index_t g, index_t blk0,
+                    index_t blk1, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                    TensorView<const T, 4> v, TensorView<T, 4> out, TensorView<A, 3> lse,
+                    const ComposeWeights<T>& cw, const KeyRing& ring) {
   const int tid = team.rank, nth = team.size;
   const index_t M = d.M, Dv = d.Dv, group_of_kv = d.H / d.Hk;
   const index_t Bq = ws.Bq, tw = ws.tile, rs = ws.rs;
@@ -262,7 +267,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     if constexpr (narrow)
       if (c1 > c0)
         for (index_t m = 0; m < M; ++m)
-          pack_rows<A>(nl, d.D, row_ptr(q, b, g * M + m, t0 + lo), q.stride[2], rows.q.data() + (m * Bq + lo) * d.D, d.D);
+          pack_rows<A>(nl, d.D, row_ptr(q, b, g * M + m, t0 + lo), q.stride[2],
+                       rows.q.data() + (m * Bq + lo) * d.D, d.D);
 
     // Pass 1: scores, Compose_pre, exponentials against the running maximum.
     for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
@@ -280,8 +286,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
           ldq = q.stride[2];
         }
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          gemm_abt<A>(nl, n, d.D, qm, ldq, row_ptr(k, b, h / group_of_kv, p),
-                      k.stride[2], slab + lo * rs + m * tw + (s - cs), rs, scale, kt,
+          gemm_abt<A>(nl, n, d.D, qm, ldq, row_ptr(k, b, h / group_of_kv, p), k.stride[2],
+                      slab + lo * rs + m * tw + (s - cs), rs, scale, kt,
                       {next_rows(next_head(k, m, p), n, k.stride[2], d.D), {}});
         });
       }
@@ -294,7 +300,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
             // The products wrote the slab head by head, streaming Q and K past it: much of it has
             // left L2 by now, so Compose asks for the next row as it goes (perf: without that,
             // Compose waited on these loads for about half of its samples).
-            pre_fn(pre, pre_rows[i], s, n, p, tw, p, tw, nullptr, scratch, i + 1 < hi ? p + rs : nullptr);
+            pre_fn(pre, pre_rows[i], s, n, p, tw, p, tw, nullptr, scratch,
+                   i + 1 < hi ? p + rs : nullptr);
           }
         }
       A* tmax = tile_max + tile * M * Bq;
@@ -334,7 +341,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
           if (mj != kNegInf) l += ws.row_sum[(j * M + m) * Bq + i] * std::exp(mj - mx);
         }
         inv_sum[i * M + m] = l > 0 ? A(1) / l : A(0);
-        if (tid == 0 && !lse.empty()) lse(b, g * M + m, t0 + i) = l > 0 ? mx + std::log(l) : kNegInf;
+        if (tid == 0 && !lse.empty())
+          lse(b, g * M + m, t0 + i) = l > 0 ? mx + std::log(l) : kNegInf;
         final_max[i * M + m] = mx;
       }
 
@@ -371,9 +379,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          gemm_ab<A>(nl, Dv, n, slab + lo * rs + m * tw + (s - cs), rs, 1, row_ptr(v, b, h / group_of_kv, p),
-                     v.stride[2], out_rows(m) + lo * Dv, Dv, true, kt, A(1),
-                     {next_rows(next_head(v, m, p), n, v.stride[2], Dv), {}});
+          gemm_ab<A>(nl, Dv, n, slab + lo * rs + m * tw + (s - cs), rs, 1,
+                     row_ptr(v, b, h / group_of_kv, p), v.stride[2], out_rows(m) + lo * Dv, Dv,
+                     true, kt, A(1), {next_rows(next_head(v, m, p), n, v.stride[2], Dv), {}});
         });
       }
     }
@@ -423,7 +431,8 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
         for (index_t it = 0; it < items; ++it) {
           const index_t b = it / d.G, g = it % d.G;
           sides.load(Team{0, 1}, cw, d.S, b, g, ring);
-          forward_blocks(Team{0, 1}, ws, *rows, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
+          forward_blocks(Team{0, 1}, ws, *rows, sides, mask, scale, d, b, g, 0, blocks, q, k, v,
+                         out, lse, cw, ring);
         }
       }
     }
@@ -452,7 +461,8 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
         sides.load(team, cw, d.S, b, g, ring);
 #pragma omp for schedule(dynamic, 1)
         for (index_t blk = blocks - 1; blk >= 0; --blk)
-          forward_blocks(Team{0, 1}, ws, *rows, sides, mask, scale, d, b, g, blk, blk + 1, q, k, v, out, lse, cw, ring);
+          forward_blocks(Team{0, 1}, ws, *rows, sides, mask, scale, d, b, g, blk, blk + 1, q, k, v,
+                         out, lse, cw, ring);
       }
     }
     errors.rethrow_first();
@@ -476,7 +486,8 @@ void forward(const AttentionConfig& cfg, const detail::AttentionDims& d, TensorV
     for (index_t it = 0; it < items && !errors.failed(); ++it) {
       const index_t b = it / d.G, g = it % d.G;
       sides.load(team, cw, d.S, b, g, ring);
-      forward_blocks(team, ws, *rows, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw, ring);
+      forward_blocks(team, ws, *rows, sides, mask, scale, d, b, g, 0, blocks, q, k, v, out, lse, cw,
+                     ring);
       team.sync();  // the next item reloads the shared compose inputs
     }
   }

@@ -40,7 +40,8 @@ inline void nn_block(index_t depth, const A* a, index_t ars, index_t acs, const 
     V bv[CB];
     for (int j = 0; j < CB; ++j) bv[j] = vload(b + k * ldb + j * L);
     for (int r = 0; r < RB; ++r) {
-      const V av = a[r * ars + k * acs] - V{};  // a broadcast (x - 0 is exact, so no add is emitted)
+      const V av =
+          a[r * ars + k * acs] - V{};  // a broadcast (x - 0 is exact, so no add is emitted)
       for (int j = 0; j < CB; ++j) acc[r][j] += av * bv[j];
     }
   }
@@ -59,12 +60,24 @@ template <class F>
 inline void with_row_count(index_t rows, F&& f) {
   static_assert(kNnRows == 6, "one case per row count");
   switch (rows) {
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    default: f(std::integral_constant<int, 1>{}); break;
+    case 6:
+      f(std::integral_constant<int, 6>{});
+      break;
+    case 5:
+      f(std::integral_constant<int, 5>{});
+      break;
+    case 4:
+      f(std::integral_constant<int, 4>{});
+      break;
+    case 3:
+      f(std::integral_constant<int, 3>{});
+      break;
+    case 2:
+      f(std::integral_constant<int, 2>{});
+      break;
+    default:
+      f(std::integral_constant<int, 1>{});
+      break;
   }
 }
 
@@ -74,7 +87,8 @@ inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index
                      index_t ldb, A* c, index_t ldc, SpreadPrefetch& ahead) {
   for (index_t i = 0; i < rows; i += kNnRows, ahead.step())
     with_row_count(std::min<index_t>(kNnRows, rows - i), [&](auto rb) {
-      nn_block<A, decltype(rb)::value, CB>(depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc, false);
+      nn_block<A, decltype(rb)::value, CB>(depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc,
+                                           false);
     });
 }
 
@@ -83,7 +97,8 @@ inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index
 /// are asked for strip by strip as this block reaches them.
 template <class A, int RB>
 inline index_t nn_row_block(index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
-                            const A* b, index_t ldb, A* c, index_t ldc, const A* c_next, index_t next_count) {
+                            const A* b, index_t ldb, A* c, index_t ldc, const A* c_next,
+                            index_t next_count) {
   constexpr int L = Simd<A>::L;
   index_t j = 0;
   for (; j + kNnCols * L <= ncol; j += kNnCols * L) {
@@ -94,7 +109,8 @@ inline index_t nn_row_block(index_t ncol, index_t depth, const A* a, index_t ars
     if (c_next) prefetch_rows(c_next + j, next_count, ldc, L * index_t(sizeof(A)));
     nn_block<A, RB, 1>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
   }
-  if (c_next && j < ncol) prefetch_rows(c_next + j, next_count, ldc, (ncol - j) * index_t(sizeof(A)));
+  if (c_next && j < ncol)
+    prefetch_rows(c_next + j, next_count, ldc, (ncol - j) * index_t(sizeof(A)));
   return j;
 }
 #endif
@@ -107,7 +123,8 @@ inline index_t nn_row_block(index_t ncol, index_t depth, const A* a, index_t ars
 /// instead need a horizontal reduction per output and two loads per multiply-add (measured 33
 /// against 54 GFLOP/s for gemm_nn on one core). B may be narrower storage (bf16), widened here.
 template <class A, class S>
-void pack_transposed(index_t n, index_t depth, const S* b, index_t ldb, A alpha, A* bt, index_t ldt) {
+void pack_transposed(index_t n, index_t depth, const S* b, index_t ldb, A alpha, A* bt,
+                     index_t ldt) {
   index_t j = 0;
 #if defined(__AVX__)
   if constexpr (std::is_same_v<A, float> && (std::is_same_v<S, float> || kVectorBf16)) {
@@ -129,7 +146,8 @@ void pack_transposed(index_t n, index_t depth, const S* b, index_t ldb, A alpha,
         // r[0..3]: columns 0,1,4,5 / 2,3,6,7 interleaved by 128-bit lane; recombine the lanes.
         for (int q = 0; q < 4; ++q) {
           _mm256_storeu_ps(bt + (d + q) * ldt + j, _mm256_permute2f128_ps(r[q], r[4 + q], 0x20));
-          _mm256_storeu_ps(bt + (d + 4 + q) * ldt + j, _mm256_permute2f128_ps(r[q], r[4 + q], 0x31));
+          _mm256_storeu_ps(bt + (d + 4 + q) * ldt + j,
+                           _mm256_permute2f128_ps(r[q], r[4 + q], 0x31));
         }
       }
       for (; d < depth; ++d)
@@ -147,7 +165,8 @@ void pack_transposed(index_t n, index_t depth, const S* b, index_t ldb, A alpha,
 /// each: read in place by every row block of a product, they missed the TLB on most loads
 /// (measured: 30% of the forward's time on one load).
 template <class A, class S>
-void pack_rows(index_t n, index_t cols, const S* src, index_t lds, A* dst, index_t ldd, A alpha = A(1)) {
+void pack_rows(index_t n, index_t cols, const S* src, index_t lds, A* dst, index_t ldd,
+               A alpha = A(1)) {
   for (index_t j = 0; j < n; ++j) {
     if constexpr (std::is_same_v<S, A>) {
       if (alpha == A(1)) {
@@ -200,7 +219,8 @@ constexpr index_t kPackMinRows = 8;
 /// in shares, one per row block, while it runs (NextRows).
 template <class A>
 void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
-             const A* b, index_t ldb, A* c, index_t ldc, bool accumulate, const NextReads& next = {}) {
+             const A* b, index_t ldb, A* c, index_t ldc, bool accumulate,
+             const NextReads& next = {}) {
   if (rows <= 0 || ncol <= 0) return;
   if (depth <= 0) {
     if (!accumulate)
@@ -228,8 +248,9 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
     for (index_t i = 0; i < rows; i += RB, ahead.step()) {
       const index_t next_count = std::min<index_t>(RB, std::max<index_t>(rows - i - RB, 0));
       with_row_count(std::min<index_t>(RB, rows - i), [&](auto rb) {
-        j = nn_row_block<A, decltype(rb)::value>(ncol, depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc,
-                                                 next_count > 0 ? c + (i + RB) * ldc : nullptr, next_count);
+        j = nn_row_block<A, decltype(rb)::value>(
+            ncol, depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc,
+            next_count > 0 ? c + (i + RB) * ldc : nullptr, next_count);
       });
     }
   } else {
@@ -239,7 +260,8 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
     SpreadPrefetch ahead(next, strips * ((rows + kNnRows - 1) / kNnRows));
     for (; j + kNnCols * L <= ncol; j += kNnCols * L)
       nn_strip<A, kNnCols>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, ahead);
-    for (; j + L <= ncol; j += L) nn_strip<A, 1>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, ahead);
+    for (; j + L <= ncol; j += L)
+      nn_strip<A, 1>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, ahead);
   }
 #else
   (void)next;
@@ -277,8 +299,8 @@ void gemm_abt(index_t rows, index_t n, index_t depth, const A* a, index_t lda, c
 /// narrower storage than A). `next`: see gemm_nn.
 template <class A, class S>
 void gemm_ab(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
-             const S* b, index_t ldb, A* c, index_t ldc, bool accumulate, A* buf,
-             A alpha = A(1), const NextReads& next = {}) {
+             const S* b, index_t ldb, A* c, index_t ldc, bool accumulate, A* buf, A alpha = A(1),
+             const NextReads& next = {}) {
   if constexpr (std::is_same_v<S, A>)
     if (rows < kPackMinRows && alpha == A(1))
       return gemm_nn<A>(rows, ncol, depth, a, ars, acs, b, ldb, c, ldc, accumulate, next);

@@ -24,8 +24,12 @@ struct RowMask {
   TensorView<const index_t, 1> query_lengths, key_lengths;
 
   RowMask(const AttentionConfig& cfg, index_t T_, index_t S_)
-      : causal(cfg.mask == Mask::causal), window(cfg.window), T(T_), S(S_),
-        query_lengths(cfg.query_lengths), key_lengths(cfg.key_lengths) {}
+      : causal(cfg.mask == Mask::causal),
+        window(cfg.window),
+        T(T_),
+        S(S_),
+        query_lengths(cfg.query_lengths),
+        key_lengths(cfg.key_lengths) {}
 
   KeyRange row(index_t b, index_t t) const {
     const index_t Tb = query_lengths.empty() ? T : query_lengths(b);

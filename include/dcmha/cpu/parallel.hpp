@@ -87,8 +87,8 @@ class RegionErrors {
 
 /// Share `part` of `parts` of [begin, end), boundaries rounded to multiples of `align` (relative
 /// to begin) so that vector loops start aligned with the chunk grid. Deterministic in its inputs.
-inline void split_range(index_t begin, index_t end, int part, int parts, index_t align,
-                        index_t& b, index_t& e) {
+inline void split_range(index_t begin, index_t end, int part, int parts, index_t align, index_t& b,
+                        index_t& e) {
   const index_t n = std::max<index_t>(end - begin, 0);
   const index_t units = (n + align - 1) / align;
   const index_t u0 = units * part / parts, u1 = units * (part + 1) / parts;
@@ -142,14 +142,17 @@ class TileQueue {
  private:
   // Front and end of a run in one word, so that a take is one compare-and-swap. Relaxed order:
   // the queue hands out indices only; the data a tile's work reads is ordered by barriers.
-  static std::uint64_t pack(index_t b, index_t e) { return std::uint64_t(b) | std::uint64_t(e) << 32; }
+  static std::uint64_t pack(index_t b, index_t e) {
+    return std::uint64_t(b) | std::uint64_t(e) << 32;
+  }
   bool pop(int rank, bool front, index_t& t) {
     std::atomic<std::uint64_t>& run = runs_[std::size_t(rank)];
     std::uint64_t v = run.load(std::memory_order_relaxed);
     for (;;) {
       const index_t b = index_t(v & 0xffffffffu), e = index_t(v >> 32);
       if (b >= e) return false;
-      if (run.compare_exchange_weak(v, front ? pack(b + 1, e) : pack(b, e - 1), std::memory_order_relaxed)) {
+      if (run.compare_exchange_weak(v, front ? pack(b + 1, e) : pack(b, e - 1),
+                                    std::memory_order_relaxed)) {
         t = front ? b : e - 1;
         return true;
       }

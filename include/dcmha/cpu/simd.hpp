@@ -56,12 +56,14 @@ inline void add_lane_sums(const A* v, index_t count, A* out) {
         // and an extract, without GCC 12.2's -Wmaybe-uninitialized false positive on the
         // extract intrinsics (their _mm256_undefined_pd), and the same code under
         // DCMHA_VECTOR_BYTES=64 on AVX2.
-        x[i] = L == 8 ? _mm256_loadu_ps(p) : _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
+        x[i] =
+            L == 8 ? _mm256_loadu_ps(p) : _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
       }
       // hadd pairs twice: lane half h of b0 holds the four sums of x0..x3's half h, b1 of x4..x7.
       const __m256 b0 = _mm256_hadd_ps(_mm256_hadd_ps(x[0], x[1]), _mm256_hadd_ps(x[2], x[3]));
       const __m256 b1 = _mm256_hadd_ps(_mm256_hadd_ps(x[4], x[5]), _mm256_hadd_ps(x[6], x[7]));
-      const __m256 s = _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+      const __m256 s =
+          _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
       _mm256_storeu_ps(out + k, _mm256_add_ps(_mm256_loadu_ps(out + k), s));
     }
   }

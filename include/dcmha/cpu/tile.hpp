@@ -134,9 +134,13 @@ struct AlignedAllocator {
   }
   void deallocate(S* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t(kAlign)); }
   template <class U>
-  bool operator==(const AlignedAllocator<U>&) const { return true; }
+  bool operator==(const AlignedAllocator<U>&) const {
+    return true;
+  }
   template <class U>
-  bool operator!=(const AlignedAllocator<U>&) const { return false; }
+  bool operator!=(const AlignedAllocator<U>&) const {
+    return false;
+  }
 };
 
 /// Kernel workspace. Eigen's vectorized reductions (sum, maxCoeff) start their packets at the

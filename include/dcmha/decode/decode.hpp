@@ -41,14 +41,17 @@ namespace dcmha {
 /// decode()'s query_side from the dynamic weights of the new tokens: query-wise terms on both
 /// sides, static terms where a W (G, M, M) is given.
 template <class U, class T = std::remove_const_t<U>>
-inline ComposeWeights<T> decode_query_side(const DynamicWeights<U>& dw, TensorView<const T, 3> pre_w = {},
+inline ComposeWeights<T> decode_query_side(const DynamicWeights<U>& dw,
+                                           TensorView<const T, 3> pre_w = {},
                                            TensorView<const T, 3> post_w = {}) {
   auto side = [](const DynamicWeightsSide<U>& s, TensorView<const T, 3> w) {
     ComposeTerms<T> c;
     c.static_w = !w.empty();
     c.query_wise = true;
     c.w = w;
-    c.qw1 = s.qw1; c.qw2 = s.qw2; c.qdd = s.qdd;
+    c.qw1 = s.qw1;
+    c.qw2 = s.qw2;
+    c.qdd = s.qdd;
     return c;
   };
   return {side(dw.pre, pre_w), side(dw.post, post_w)};
@@ -60,7 +63,9 @@ inline ComposeWeights<T> decode_key_side(const DynamicWeights<U>& dw) {
   auto side = [](const DynamicWeightsSide<U>& s) {
     ComposeTerms<T> c;
     c.key_wise = true;
-    c.kw1 = s.kw1; c.kw2 = s.kw2; c.kdd = s.kdd;
+    c.kw1 = s.kw1;
+    c.kw2 = s.kw2;
+    c.kdd = s.kdd;
     return c;
   };
   return {side(dw.pre), side(dw.post)};
@@ -76,7 +81,8 @@ void check_query_side(const char* fn, const ComposeWeights<T>& qs, const DecodeC
     const ComposeTerms<T>& c = *sides[s];
     const std::string arg = std::string("query_side.") + names[s];
     if (c.key_wise || !c.kw1.empty() || !c.kw2.empty() || !c.kdd.empty())
-      fail(fn, ": ", arg, ".key_wise: expected off (key-wise terms of every cached key come from the "
+      fail(fn, ": ", arg,
+           ".key_wise: expected off (key-wise terms of every cached key come from the "
            "cache; pass the new tokens' ones to DecodeCache::append), got on");
     // The cache's G is the layer's: query-wise terms of another grouping would mix other heads.
     if (!c.w.empty()) check_dim(fn, arg + ".w", c.w, 0, "G", cc.G, "cache.config().G");
@@ -88,21 +94,26 @@ void check_query_side(const char* fn, const ComposeWeights<T>& qs, const DecodeC
 
 template <class T>
 void decode_step(const char* fn, const AttentionConfig& cfg, TensorView<const T, 4> q_new,
-                 const DecodeCache<T>& cache, const ComposeWeights<T>& query_side, TensorView<T, 4> out,
-                 Workspace* workspace) {
+                 const DecodeCache<T>& cache, const ComposeWeights<T>& query_side,
+                 TensorView<T, 4> out, Workspace* workspace) {
   const DecodeCacheConfig& cc = cache.config();
   if (cfg.mask != Mask::causal)
-    fail(fn, ": cfg.mask: expected Mask::causal (new tokens see the cache and each other causally), "
+    fail(fn,
+         ": cfg.mask: expected Mask::causal (new tokens see the cache and each other causally), "
          "got Mask::full");
   if (cfg.window != 0 && cfg.window != cc.window)
-    fail(fn, ": cfg.window: expected 0 or ", cc.window, " (cache.config().window), got ", cfg.window);
+    fail(fn, ": cfg.window: expected 0 or ", cc.window, " (cache.config().window), got ",
+         cfg.window);
   if (!cfg.query_lengths.empty())
-    fail(fn, ": cfg.query_lengths: expected an empty view (the counts of the last "
+    fail(fn,
+         ": cfg.query_lengths: expected an empty view (the counts of the last "
          "DecodeCache::append are used), got a tensor");
   if (!cfg.key_lengths.empty())
-    fail(fn, ": cfg.key_lengths: expected an empty view (the cache's lengths are used), got a tensor");
+    fail(fn,
+         ": cfg.key_lengths: expected an empty view (the cache's lengths are used), got a tensor");
   if (cache.last_step() == 0)
-    fail(fn, ": cache: expected the new tokens appended (call DecodeCache::append before decode), "
+    fail(fn,
+         ": cache: expected the new tokens appended (call DecodeCache::append before decode), "
          "got no append since construction or reset()");
   require_given(fn, "q_new", q_new, "(B, H, n, D)");
   check_shape(fn, "q_new", q_new,
@@ -156,29 +167,31 @@ void decode_step(const char* fn, const AttentionConfig& cfg, TensorView<const T,
 }
 
 template <class T>
-void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new, const DecodeCache<T>& cache,
-                 const ComposeWeights<T>& query_side, TensorView<T, 4> out, Workspace* workspace) {
+void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new,
+                 const DecodeCache<T>& cache, const ComposeWeights<T>& query_side,
+                 TensorView<T, 4> out, Workspace* workspace) {
   const char* fn = "dcmha::decode";
-  with_allocation_errors(fn, [&] { decode_step(fn, cfg, q_new, cache, query_side, out, workspace); });
+  with_allocation_errors(fn,
+                         [&] { decode_step(fn, cfg, q_new, cache, query_side, out, workspace); });
 }
 
 }  // namespace detail
 
 // Non-template overloads, so that views of mutable memory convert to the const views below.
-#define DCMHA_DEFINE_DECODE_ENTRY_POINTS(T)                                                         \
-  inline void decode(const AttentionConfig& cfg, TensorView<const T, 4> q_new,                      \
-                     const DecodeCache<T>& cache, const ComposeWeights<T>& query_side,              \
-                     TensorView<T, 4> out) {                                                        \
-    detail::decode_impl<T>(cfg, q_new, cache, query_side, out, nullptr);                           \
-  }                                                                                                 \
-  inline void decode(const AttentionConfig& cfg, TensorView<const T, 4> q_new,                      \
-                     const DecodeCache<T>& cache, TensorView<T, 4> out) {                           \
-    detail::decode_impl<T>(cfg, q_new, cache, ComposeWeights<T>{}, out, nullptr);                  \
-  }                                                                                                 \
-  inline void decode(const AttentionConfig& cfg, TensorView<const T, 4> q_new,                      \
-                     const DecodeCache<T>& cache, const ComposeWeights<T>& query_side,              \
-                     TensorView<T, 4> out, Workspace& workspace) {                                  \
-    detail::decode_impl<T>(cfg, q_new, cache, query_side, out, &workspace);                        \
+#define DCMHA_DEFINE_DECODE_ENTRY_POINTS(T)                                            \
+  inline void decode(const AttentionConfig& cfg, TensorView<const T, 4> q_new,         \
+                     const DecodeCache<T>& cache, const ComposeWeights<T>& query_side, \
+                     TensorView<T, 4> out) {                                           \
+    detail::decode_impl<T>(cfg, q_new, cache, query_side, out, nullptr);               \
+  }                                                                                    \
+  inline void decode(const AttentionConfig& cfg, TensorView<const T, 4> q_new,         \
+                     const DecodeCache<T>& cache, TensorView<T, 4> out) {              \
+    detail::decode_impl<T>(cfg, q_new, cache, ComposeWeights<T>{}, out, nullptr);      \
+  }                                                                                    \
+  inline void decode(const AttentionConfig& cfg, TensorView<const T, 4> q_new,         \
+                     const DecodeCache<T>& cache, const ComposeWeights<T>& query_side, \
+                     TensorView<T, 4> out, Workspace& workspace) {                     \
+    detail::decode_impl<T>(cfg, q_new, cache, query_side, out, &workspace);            \
   }
 
 DCMHA_DEFINE_DECODE_ENTRY_POINTS(float)

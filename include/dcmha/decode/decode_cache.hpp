@@ -4,8 +4,8 @@
 // Per sequence b of a batch of B: K (B, Hk, cap, D), V (B, Hk, cap, Dv) and, for each compose
 // side whose key-wise terms are on, the key-wise compose state of every cached key:
 // kw1, kw2 (B, cap, G, Rk, M) and kdd (B, cap, G, M), stored slot-fastest ([b][g][r][m][slot], the
-// compose kernels' layout; the accessors return strided views). Key-wise terms depend only on the key
-// position, so they are computed once, when the token is appended, and never again.
+// compose kernels' layout; the accessors return strided views). Key-wise terms depend only on the
+// key position, so they are computed once, when the token is appended, and never again.
 //
 // The state is kept in the low-rank form rather than as the merged M x M matrices
 // kw1^T kw2 + diag(kdd) the spec also allows: at DCFormer-6.9B's H32/D128/G1/R2/M32 the two sides
@@ -36,7 +36,7 @@ struct DecodeCacheConfig {
   index_t H = 1;   ///< query heads (decode's q_new.shape[1]); needed for M = H / G
   index_t Hk = 1;  ///< key/value heads, a divisor of H
   index_t D = 1, Dv = 1;
-  index_t G = 1;   ///< compose groups, a divisor of H
+  index_t G = 1;  ///< compose groups, a divisor of H
   /// Rank of the cached key-wise low-rank terms, shared by pre and post. Must be >= 1 when
   /// pre_key_wise or post_key_wise is on and 0 when both are off (a rank for state that is not
   /// kept would be ignored, which hides a forgotten switch).
@@ -45,15 +45,20 @@ struct DecodeCacheConfig {
   /// Global layers: the most tokens one sequence may hold (>= 1). Local layers: must be 0, the
   /// ring size W + max_step - 1 is derived.
   index_t capacity = 0;
-  index_t window = 0;    ///< 0: global layer; W > 0: sliding window of W keys (cfg.window of the layer)
+  index_t window =
+      0;  ///< 0: global layer; W > 0: sliding window of W keys (cfg.window of the layer)
   index_t max_step = 1;  ///< most tokens one append() may add per sequence (>= 1)
 };
 
 namespace detail {
 
 inline void validate_cache_config(const char* fn, const DecodeCacheConfig& c) {
-  const std::pair<const char*, index_t> positive[] = {{"B", c.B}, {"H", c.H}, {"Hk", c.Hk},
-                                                      {"D", c.D}, {"Dv", c.Dv}, {"G", c.G},
+  const std::pair<const char*, index_t> positive[] = {{"B", c.B},
+                                                      {"H", c.H},
+                                                      {"Hk", c.Hk},
+                                                      {"D", c.D},
+                                                      {"Dv", c.Dv},
+                                                      {"G", c.G},
                                                       {"max_step", c.max_step}};
   for (const auto& [name, value] : positive)
     if (value < 1) fail(fn, ": config.", name, ": expected >= 1, got ", value);
@@ -63,10 +68,14 @@ inline void validate_cache_config(const char* fn, const DecodeCacheConfig& c) {
     fail(fn, ": config.G: expected a divisor of H = ", c.H, " (config.H), got ", c.G);
   const bool key_wise = c.pre_key_wise || c.post_key_wise;
   if (key_wise && c.Rk < 1)
-    fail(fn, ": config.Rk: expected >= 1 because config.pre_key_wise or config.post_key_wise is on, got ",
+    fail(fn,
+         ": config.Rk: expected >= 1 because config.pre_key_wise or config.post_key_wise is on, "
+         "got ",
          c.Rk);
   if (!key_wise && c.Rk != 0)
-    fail(fn, ": config.Rk: expected 0 because config.pre_key_wise and config.post_key_wise are off, got ",
+    fail(fn,
+         ": config.Rk: expected 0 because config.pre_key_wise and config.post_key_wise are off, "
+         "got ",
          c.Rk);
   if (c.window < 0) fail(fn, ": config.window: expected >= 0 (0 = global layer), got ", c.window);
   if (c.window == 0 && c.capacity < 1)
@@ -96,9 +105,8 @@ class DecodeCache {
   /// Library-owned memory (zero-initialized); dcmha::AllocationError if it cannot be allocated.
   explicit DecodeCache(const DecodeCacheConfig& c)
       : cfg_(checked(c)), lay_(layout(cfg_, "dcmha::DecodeCache")) {
-    detail::with_allocation_errors("dcmha::DecodeCache", [&] {
-      owned_.assign(static_cast<std::size_t>(lay_.total), T(0));
-    });
+    detail::with_allocation_errors(
+        "dcmha::DecodeCache", [&] { owned_.assign(static_cast<std::size_t>(lay_.total), T(0)); });
     data_ = owned_.data();
     reset();
   }
@@ -109,10 +117,10 @@ class DecodeCache {
       : cfg_(checked(c)), lay_(layout(cfg_, "dcmha::DecodeCache")), data_(buffer) {
     if (buffer == nullptr)
       detail::fail("dcmha::DecodeCache: buffer: expected memory for ", lay_.total,
-           " elements (required_elements(config)), got nullptr");
+                   " elements (required_elements(config)), got nullptr");
     if (buffer_elements < lay_.total)
       detail::fail("dcmha::DecodeCache: buffer_elements: expected >= ", lay_.total,
-           " (required_elements(config)), got ", buffer_elements);
+                   " (required_elements(config)), got ", buffer_elements);
     reset();
   }
 
@@ -168,7 +176,8 @@ class DecodeCache {
               const ComposeWeights<T>& key_side = {}, TensorView<const index_t, 1> counts = {}) {
     const char* fn = "dcmha::DecodeCache::append";
     index_t n = 0;  // validation allocates (names in messages); the copies below do not
-    detail::with_allocation_errors(fn, [&] { n = validate_append(fn, k_new, v_new, key_side, counts); });
+    detail::with_allocation_errors(
+        fn, [&] { n = validate_append(fn, k_new, v_new, key_side, counts); });
     auto count = [&](index_t b) { return counts.empty() ? n : counts(b); };
 
     const index_t B = cfg_.B, Hk = cfg_.Hk, D = cfg_.D, Dv = cfg_.Dv, cap = lay_.cap;
@@ -196,8 +205,12 @@ class DecodeCache {
 
   /// Views of the stored state, slot-indexed (not logical positions); mainly for decode() and
   /// for tests. kw1/kw2/kdd are empty views for a side whose key-wise terms are off.
-  TensorView<T, 4> k_slots() const { return view<4>(data_ + lay_.k, {cfg_.B, cfg_.Hk, lay_.cap, cfg_.D}); }
-  TensorView<T, 4> v_slots() const { return view<4>(data_ + lay_.v, {cfg_.B, cfg_.Hk, lay_.cap, cfg_.Dv}); }
+  TensorView<T, 4> k_slots() const {
+    return view<4>(data_ + lay_.k, {cfg_.B, cfg_.Hk, lay_.cap, cfg_.D});
+  }
+  TensorView<T, 4> v_slots() const {
+    return view<4>(data_ + lay_.v, {cfg_.B, cfg_.Hk, lay_.cap, cfg_.Dv});
+  }
   TensorView<T, 5> kw1_slots(bool post) const { return lowrank(post, 0); }
   TensorView<T, 5> kw2_slots(bool post) const { return lowrank(post, 1); }
   TensorView<T, 4> kdd_slots(bool post) const {
@@ -221,8 +234,9 @@ class DecodeCache {
     // A capacity read from a model file can be absurd; wrapping around would under-allocate.
     constexpr index_t lim = std::numeric_limits<index_t>::max();
     auto overflow = [fn] {
-      detail::fail(fn, ": config: expected a cache of at most 2^63 - 1 elements, got an "
-           "element count that overflows");
+      detail::fail(fn,
+                   ": config: expected a cache of at most 2^63 - 1 elements, got an "
+                   "element count that overflows");
     };
     auto mul = [&](std::initializer_list<index_t> xs) {
       index_t p = 1;
@@ -266,7 +280,8 @@ class DecodeCache {
 
   void check_b(index_t b) const {
     if (b < 0 || b >= cfg_.B)
-      detail::fail("dcmha::DecodeCache: b: expected a sequence index in [0, ", cfg_.B, "), got ", b);
+      detail::fail("dcmha::DecodeCache: b: expected a sequence index in [0, ", cfg_.B, "), got ",
+                   b);
   }
 
   TensorView<T, 5> lowrank(bool post, int which) const {
@@ -320,13 +335,18 @@ class DecodeCache {
     const index_t n = k_new.shape[2];
     detail::check_positive(fn, "k_new", k_new, 2, "n");
     if (n > cfg_.max_step)
-      detail::fail(fn, ": k_new.shape[2] (n): expected <= ", cfg_.max_step, " (config.max_step), got ", n);
+      detail::fail(fn, ": k_new.shape[2] (n): expected <= ", cfg_.max_step,
+                   " (config.max_step), got ", n);
     detail::check_shape(fn, "k_new", k_new,
-                        {{"B", cfg_.B, "config.B"}, {"Hk", cfg_.Hk, "config.Hk"}, {"n", n, "n"},
+                        {{"B", cfg_.B, "config.B"},
+                         {"Hk", cfg_.Hk, "config.Hk"},
+                         {"n", n, "n"},
                          {"D", cfg_.D, "config.D"}});
     detail::check_strides(fn, "k_new", k_new);
     detail::check_shape(fn, "v_new", v_new,
-                        {{"B", cfg_.B, "config.B"}, {"Hk", cfg_.Hk, "config.Hk"}, {"n", n, "k_new.shape[2]"},
+                        {{"B", cfg_.B, "config.B"},
+                         {"Hk", cfg_.Hk, "config.Hk"},
+                         {"n", n, "k_new.shape[2]"},
                          {"Dv", cfg_.Dv, "config.Dv"}});
     detail::check_strides(fn, "v_new", v_new);
     return n;
@@ -338,11 +358,13 @@ class DecodeCache {
                       index_t n) const {
     const std::string arg = std::string("key_side.") + side;
     if (c.static_w || !c.w.empty())
-      detail::fail(fn, ": ", arg,
-                   ".static_w: expected off (the static W is passed to decode's query_side), got on");
+      detail::fail(
+          fn, ": ", arg,
+          ".static_w: expected off (the static W is passed to decode's query_side), got on");
     if (c.query_wise || !c.qw1.empty() || !c.qw2.empty() || !c.qdd.empty())
-      detail::fail(fn, ": ", arg,
-                   ".query_wise: expected off (query-wise terms are passed to decode's query_side), got on");
+      detail::fail(
+          fn, ": ", arg,
+          ".query_wise: expected off (query-wise terms are passed to decode's query_side), got on");
     const std::string sw = std::string("config.") + side + "_key_wise";
     if (c.key_wise != want)
       detail::fail(fn, ": ", arg, ".key_wise: expected ", want ? "on" : "off", " (", sw, "), got ",
@@ -367,12 +389,17 @@ class DecodeCache {
     if constexpr (V::rank == 5) {
       detail::require_given(fn, name, t, "(B, n, G, Rk, M)", why);
       detail::check_shape(fn, name, t,
-                          {{"B", cfg_.B, "config.B"}, {"n", n, "k_new.shape[2]"}, {"G", cfg_.G, "config.G"},
-                           {"R", cfg_.Rk, "config.Rk"}, {"M", M, "config.H / config.G"}});
+                          {{"B", cfg_.B, "config.B"},
+                           {"n", n, "k_new.shape[2]"},
+                           {"G", cfg_.G, "config.G"},
+                           {"R", cfg_.Rk, "config.Rk"},
+                           {"M", M, "config.H / config.G"}});
     } else {
       detail::require_given(fn, name, t, "(B, n, G, M)", why);
       detail::check_shape(fn, name, t,
-                          {{"B", cfg_.B, "config.B"}, {"n", n, "k_new.shape[2]"}, {"G", cfg_.G, "config.G"},
+                          {{"B", cfg_.B, "config.B"},
+                           {"n", n, "k_new.shape[2]"},
+                           {"G", cfg_.G, "config.G"},
                            {"M", M, "config.H / config.G"}});
     }
     detail::check_strides(fn, name, t);
@@ -383,8 +410,8 @@ class DecodeCache {
     detail::check_dim(fn, "counts", counts, 0, "B", cfg_.B, "config.B");
     for (index_t b = 0; b < cfg_.B; ++b)
       if (counts(b) < 0 || counts(b) > n)
-        detail::fail(fn, ": counts[", b, "]: expected a count in [0, ", n, "] (k_new.shape[2]), got ",
-                     counts(b));
+        detail::fail(fn, ": counts[", b, "]: expected a count in [0, ", n,
+                     "] (k_new.shape[2]), got ", counts(b));
   }
 
   // A global layer keeps every token: appending past config.capacity would drop some.
@@ -393,8 +420,9 @@ class DecodeCache {
     for (index_t b = 0; b < cfg_.B; ++b) {
       const index_t nb = counts.empty() ? n : counts(b), len = length_[static_cast<std::size_t>(b)];
       if (len + nb > lay_.cap)
-        detail::fail(fn, ": sequence ", b, ": expected at most ", lay_.cap, " tokens (config.capacity), got ",
-                     len, " cached + ", nb, " appended = ", len + nb);
+        detail::fail(fn, ": sequence ", b, ": expected at most ", lay_.cap,
+                     " tokens (config.capacity), got ", len, " cached + ", nb,
+                     " appended = ", len + nb);
     }
   }
 

@@ -41,7 +41,8 @@ void require_given(const char* fn, const std::string& name, const V& t, std::str
 /// `because` says why it is not used, e.g. "key_wise is off (config.pre_key_wise == false)".
 template <class V>
 void require_absent(const char* fn, const std::string& name, const V& t, std::string_view because) {
-  if (!t.empty()) fail(fn, ": ", name, ": given but ", because, ": expected an empty view, got a tensor");
+  if (!t.empty())
+    fail(fn, ": ", name, ": given but ", because, ": expected an empty view, got a tensor");
 }
 
 /// The dims a problem's sizes are taken from must be >= 1: a zero-sized problem is almost
@@ -91,10 +92,12 @@ void check_shape(const char* fn, const std::string& name, const V& t, const DimS
 /// A gradient has exactly the shape of the tensor it differentiates (`ref`, named `ref_name`).
 template <class V, class W>
 void check_same_shape(const char* fn, const std::string& name, const V& t,
-                      const char* const (&what)[V::rank], const std::string& ref_name, const W& ref) {
+                      const char* const (&what)[V::rank], const std::string& ref_name,
+                      const W& ref) {
   static_assert(V::rank == W::rank, "a gradient has its tensor's rank");
   for (int d = 0; d < V::rank; ++d)
-    check_dim(fn, name, t, d, what[d], ref.shape[d], ref_name + ".shape[" + std::to_string(d) + "]");
+    check_dim(fn, name, t, d, what[d], ref.shape[d],
+              ref_name + ".shape[" + std::to_string(d) + "]");
 }
 
 // --- strides and layout ---------------------------------------------------------------------
@@ -163,8 +166,9 @@ void check_no_self_overlap(const char* fn, const std::string& name, const V& t) 
   for (int i = 0; i < n; ++i) {
     const int d = dims[i];
     if (mag(d) <= reach)
-      fail(fn, ": ", name, ".stride[", d, "]: expected ", t.stride[d] < 0 ? "<= -" : ">= ", reach + 1,
-           " (", name, " is written, its elements must not overlap), got ", t.stride[d]);
+      fail(fn, ": ", name, ".stride[", d, "]: expected ",
+           t.stride[d] < 0 ? "<= -" : ">= ", reach + 1, " (", name,
+           " is written, its elements must not overlap), got ", t.stride[d]);
     reach += (t.shape[d] - 1) * mag(d);  // bounded by check_extent
   }
 }
@@ -203,7 +207,9 @@ Footprint footprint(std::string name, const V& t) {
   return f;
 }
 
-inline bool ranges_overlap(const Footprint& a, const Footprint& b) { return a.lo <= b.hi && b.lo <= a.hi; }
+inline bool ranges_overlap(const Footprint& a, const Footprint& b) {
+  return a.lo <= b.hi && b.lo <= a.hi;
+}
 
 /// Modulo a period p, dims stepping by multiples of p change no residue, so all bytes of a view
 /// fall in one arc of residues, spanned by its other dims. Disjoint arcs: no shared byte.
@@ -243,7 +249,9 @@ inline std::string hex(std::uintptr_t a) {
   return os.str();
 }
 
-inline std::string hex_range(const Footprint& f) { return "[" + hex(f.lo) + ", " + hex(f.hi) + "]"; }
+inline std::string hex_range(const Footprint& f) {
+  return "[" + hex(f.lo) + ", " + hex(f.hi) + "]";
+}
 
 /// The aliasing rule of the header comment. Outputs are checked in order, each against every
 /// input, then against the outputs after it.
@@ -260,7 +268,8 @@ inline void check_no_alias(const char* fn, const std::vector<Footprint>& outputs
       if (!ranges_overlap(o, x) || interleaved(o, x)) continue;
       const std::string same = o.base == x.base ? ", both starting at " + hex(o.base) : "";
       fail(fn, ": ", o.name, ": expected memory disjoint from output ", x.name,
-           " (both are written; they may interleave only with strides that keep every element apart), "
+           " (both are written; they may interleave only with strides that keep every element "
+           "apart), "
            "got overlapping byte ranges ",
            hex_range(o), " and ", hex_range(x), same);
     }

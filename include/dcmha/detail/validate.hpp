@@ -40,7 +40,8 @@ inline void validate_lengths(const char* fn, const AttentionConfig& cfg, const A
     check_dim(fn, name, *lv, 0, "B", d.B, "q.shape[0]");
     for (index_t b = 0; b < d.B; ++b)
       if ((*lv)(b) < 0 || (*lv)(b) > limit)
-        fail(fn, ": ", name, "[", b, "]: expected a length in [0, ", limit, "] (", what, "), got ", (*lv)(b));
+        fail(fn, ": ", name, "[", b, "]: expected a length in [0, ", limit, "] (", what, "), got ",
+             (*lv)(b));
   }
 }
 
@@ -81,7 +82,9 @@ template <class V>
 void check_bhtdv(const char* fn, const char* name, const V& t, const AttentionDims& d) {
   require_given(fn, name, t, "(B, H, T, Dv)");
   check_shape(fn, name, t,
-              {{"B", d.B, "q.shape[0]"}, {"H", d.H, "q.shape[1]"}, {"T", d.T, "q.shape[2]"},
+              {{"B", d.B, "q.shape[0]"},
+               {"H", d.H, "q.shape[1]"},
+               {"T", d.T, "q.shape[2]"},
                {"Dv", d.Dv, "v.shape[3]"}});
 }
 
@@ -198,9 +201,9 @@ void check_kernel_sizes(const AttentionDims& d, const ComposeWeights<T>& cw, int
   index_t bound = 1;
   for (index_t f : factors) {
     if (f > lim / bound)
-      throw AllocationError(concat("the kernels' working buffers for H = ", d.H, ", T = ", d.T, ", S = ", d.S,
-                                   ", D = ", d.D, ", Dv = ", d.Dv, ", rank ", rank, " and ", threads,
-                                   " threads exceed the address space"));
+      throw AllocationError(concat("the kernels' working buffers for H = ", d.H, ", T = ", d.T,
+                                   ", S = ", d.S, ", D = ", d.D, ", Dv = ", d.Dv, ", rank ", rank,
+                                   " and ", threads, " threads exceed the address space"));
     bound *= f;
   }
 }

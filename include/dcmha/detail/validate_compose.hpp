@@ -102,7 +102,8 @@ void check_compose_presence(const char* fn, const char* prefix, const char* side
         if (term_on(sw, term))
           require_given(fn, arg, t, shape_text(dims), swname + " is on");
         else
-          require_absent(fn, arg, t, std::string(term_name(term)) + " is off (" + swname + " == false)");
+          require_absent(fn, arg, t,
+                         std::string(term_name(term)) + " is off (" + swname + " == false)");
       });
 }
 

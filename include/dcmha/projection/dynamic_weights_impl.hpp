@@ -17,13 +17,13 @@ namespace dcmha {
 namespace detail {
 template <class T>
 void dynamic_weights_forward_impl(const ProjectionConfig& cfg, TensorView<const T, 3> x,
-                                  const DynamicWeightProjection<T>& p,
-                                  const DynamicWeights<T>& out,
+                                  const DynamicWeightProjection<T>& p, const DynamicWeights<T>& out,
                                   ProjectionActivations<T>* keep = nullptr) {
   const char* fn = "dcmha::dynamic_weights_forward";
   with_allocation_errors(fn, [&] {
     const projection::ProjectionDims d = projection::validate_forward(fn, cfg, x, p, out);
-    projection::forward(cfg, d, x, p, out, keep ? &projection::ActivationsAccess::get(*keep) : nullptr);
+    projection::forward(cfg, d, x, p, out,
+                        keep ? &projection::ActivationsAccess::get(*keep) : nullptr);
   });
 }
 
@@ -35,8 +35,10 @@ void dynamic_weights_backward_impl(const ProjectionConfig& cfg, TensorView<const
                                    const ProjectionActivations<T>* kept = nullptr) {
   const char* fn = "dcmha::dynamic_weights_backward";
   with_allocation_errors(fn, [&] {
-    const projection::ProjectionDims d = projection::validate_backward(fn, cfg, x, p, dout, dx, grads);
-    const projection::Recomputed<T>* r = kept ? projection::ActivationsAccess::find(*kept) : nullptr;
+    const projection::ProjectionDims d =
+        projection::validate_backward(fn, cfg, x, p, dout, dx, grads);
+    const projection::Recomputed<T>* r =
+        kept ? projection::ActivationsAccess::find(*kept) : nullptr;
     if (kept) projection::check_activations(fn, r, d);
     projection::backward(cfg, d, x, p, dout, dx, grads, r);
   });
@@ -57,42 +59,40 @@ DynamicWeights<const T> read_only(const DynamicWeights<T>& w) {
 // Non-template overloads, so that views of mutable memory convert to the const views below
 // without spelling out the scalar type. The second backward takes upstream gradients held in
 // mutable views (the buffers compose_grads() hands to the attention backward).
-#define DCMHA_DEFINE_PROJECTION_ENTRY_POINTS(T)                                                 \
-  inline void dynamic_weights_forward(const ProjectionConfig& cfg, TensorView<const T, 3> x,    \
-                                      const DynamicWeightProjection<T>& p,                      \
-                                      const DynamicWeights<T>& out) {                           \
-    detail::dynamic_weights_forward_impl<T>(cfg, x, p, out);                                    \
-  }                                                                                             \
-  inline void dynamic_weights_backward(const ProjectionConfig& cfg, TensorView<const T, 3> x,   \
-                                       const DynamicWeightProjection<T>& p,                     \
-                                       const DynamicWeights<const T>& dout, TensorView<T, 3> dx, \
-                                       const DynamicWeightProjectionGrads<T>& grads) {          \
-    detail::dynamic_weights_backward_impl<T>(cfg, x, p, dout, dx, grads);                       \
-  }                                                                                             \
-  inline void dynamic_weights_backward(const ProjectionConfig& cfg, TensorView<const T, 3> x,   \
-                                       const DynamicWeightProjection<T>& p,                     \
-                                       const DynamicWeights<T>& dout, TensorView<T, 3> dx,      \
-                                       const DynamicWeightProjectionGrads<T>& grads) {          \
-    detail::dynamic_weights_backward_impl<T>(cfg, x, p, read_only(dout), dx, grads);             \
-  }                                                                                             \
-  inline void dynamic_weights_forward(const ProjectionConfig& cfg, TensorView<const T, 3> x,    \
-                                      const DynamicWeightProjection<T>& p,                      \
-                                      const DynamicWeights<T>& out, ProjectionActivations<T>& keep) { \
-    detail::dynamic_weights_forward_impl<T>(cfg, x, p, out, &keep);                             \
-  }                                                                                             \
-  inline void dynamic_weights_backward(const ProjectionConfig& cfg, TensorView<const T, 3> x,   \
-                                       const DynamicWeightProjection<T>& p,                     \
-                                       const ProjectionActivations<T>& kept,                    \
-                                       const DynamicWeights<const T>& dout, TensorView<T, 3> dx, \
-                                       const DynamicWeightProjectionGrads<T>& grads) {          \
-    detail::dynamic_weights_backward_impl<T>(cfg, x, p, dout, dx, grads, &kept);                \
-  }                                                                                             \
-  inline void dynamic_weights_backward(const ProjectionConfig& cfg, TensorView<const T, 3> x,   \
-                                       const DynamicWeightProjection<T>& p,                     \
-                                       const ProjectionActivations<T>& kept,                    \
-                                       const DynamicWeights<T>& dout, TensorView<T, 3> dx,      \
-                                       const DynamicWeightProjectionGrads<T>& grads) {          \
-    detail::dynamic_weights_backward_impl<T>(cfg, x, p, read_only(dout), dx, grads, &kept);     \
+#define DCMHA_DEFINE_PROJECTION_ENTRY_POINTS(T)                                                   \
+  inline void dynamic_weights_forward(const ProjectionConfig& cfg, TensorView<const T, 3> x,      \
+                                      const DynamicWeightProjection<T>& p,                        \
+                                      const DynamicWeights<T>& out) {                             \
+    detail::dynamic_weights_forward_impl<T>(cfg, x, p, out);                                      \
+  }                                                                                               \
+  inline void dynamic_weights_backward(const ProjectionConfig& cfg, TensorView<const T, 3> x,     \
+                                       const DynamicWeightProjection<T>& p,                       \
+                                       const DynamicWeights<const T>& dout, TensorView<T, 3> dx,  \
+                                       const DynamicWeightProjectionGrads<T>& grads) {            \
+    detail::dynamic_weights_backward_impl<T>(cfg, x, p, dout, dx, grads);                         \
+  }                                                                                               \
+  inline void dynamic_weights_backward(const ProjectionConfig& cfg, TensorView<const T, 3> x,     \
+                                       const DynamicWeightProjection<T>& p,                       \
+                                       const DynamicWeights<T>& dout, TensorView<T, 3> dx,        \
+                                       const DynamicWeightProjectionGrads<T>& grads) {            \
+    detail::dynamic_weights_backward_impl<T>(cfg, x, p, read_only(dout), dx, grads);              \
+  }                                                                                               \
+  inline void dynamic_weights_forward(                                                            \
+      const ProjectionConfig& cfg, TensorView<const T, 3> x, const DynamicWeightProjection<T>& p, \
+      const DynamicWeights<T>& out, ProjectionActivations<T>& keep) {                             \
+    detail::dynamic_weights_forward_impl<T>(cfg, x, p, out, &keep);                               \
+  }                                                                                               \
+  inline void dynamic_weights_backward(                                                           \
+      const ProjectionConfig& cfg, TensorView<const T, 3> x, const DynamicWeightProjection<T>& p, \
+      const ProjectionActivations<T>& kept, const DynamicWeights<const T>& dout,                  \
+      TensorView<T, 3> dx, const DynamicWeightProjectionGrads<T>& grads) {                        \
+    detail::dynamic_weights_backward_impl<T>(cfg, x, p, dout, dx, grads, &kept);                  \
+  }                                                                                               \
+  inline void dynamic_weights_backward(                                                           \
+      const ProjectionConfig& cfg, TensorView<const T, 3> x, const DynamicWeightProjection<T>& p, \
+      const ProjectionActivations<T>& kept, const DynamicWeights<T>& dout, TensorView<T, 3> dx,   \
+      const DynamicWeightProjectionGrads<T>& grads) {                                             \
+    detail::dynamic_weights_backward_impl<T>(cfg, x, p, read_only(dout), dx, grads, &kept);       \
   }
 
 template <class T>
@@ -102,7 +102,8 @@ ProjectionActivations<T>::~ProjectionActivations() = default;
 template <class T>
 ProjectionActivations<T>::ProjectionActivations(ProjectionActivations&&) noexcept = default;
 template <class T>
-ProjectionActivations<T>& ProjectionActivations<T>::operator=(ProjectionActivations&&) noexcept = default;
+ProjectionActivations<T>& ProjectionActivations<T>::operator=(ProjectionActivations&&) noexcept =
+    default;
 template <class T>
 std::size_t ProjectionActivations<T>::bytes() const {
   return r_ ? r_->bytes() : 0;

@@ -129,10 +129,10 @@ void rows_transpose_times(const RowBlocks<const T>& x, const Rhs& rhs, const Mat
 /// recomputed there unless the forward kept it (ProjectionActivations).
 template <class T>
 struct Recomputed {
-  RowMat<T> hpre;    // (B*L) x (G*4*K), x * dw1
-  RowMat<T> hidden;  // GELU(hpre)
-  RowMat<T> w;       // (B*L) x (G*4*2R*M), hidden * qkw per (group, split), before the norm
-  RowMat<T> ddpre;   // (B*L) x (G*4*M), x * dd
+  RowMat<T> hpre;       // (B*L) x (G*4*K), x * dw1
+  RowMat<T> hidden;     // GELU(hpre)
+  RowMat<T> w;          // (B*L) x (G*4*2R*M), hidden * qkw per (group, split), before the norm
+  RowMat<T> ddpre;      // (B*L) x (G*4*M), x * dd
   ProjectionDims dims;  // of the call that computed them
   bool filled = false;  // a forward that keeps them finished; what a backward may read
 
@@ -160,10 +160,12 @@ struct ActivationsAccess {
 template <class T>
 void check_activations(const char* fn, const Recomputed<T>* r, const ProjectionDims& d) {
   if (!r || !r->filled)
-    fail(fn, ": kept: expected the activations a dynamic_weights_forward kept, got empty ones "
-             "(never filled, released or moved from)");
+    fail(fn,
+         ": kept: expected the activations a dynamic_weights_forward kept, got empty ones "
+         "(never filled, released or moved from)");
   const ProjectionDims& k = r->dims;
-  if (k.B != d.B || k.L != d.L || k.E != d.E || k.G != d.G || k.K != d.K || k.R != d.R || k.M != d.M)
+  if (k.B != d.B || k.L != d.L || k.E != d.E || k.G != d.G || k.K != d.K || k.R != d.R ||
+      k.M != d.M)
     fail(fn, ": kept: expected the activations of a forward with (B, L, E, G, K, R, M) = (", d.B,
          ", ", d.L, ", ", d.E, ", ", d.G, ", ", d.K, ", ", d.R, ", ", d.M,
          ") as x and the parameters here, got those of (", k.B, ", ", k.L, ", ", k.E, ", ", k.G,
@@ -171,9 +173,8 @@ void check_activations(const char* fn, const Recomputed<T>* r, const ProjectionD
 }
 
 template <class T>
-void recompute(const ProjectionConfig& cfg, const ProjectionDims& d,
-               const RowBlocks<const T>& x, const ParamMatrices<T>& p, Recomputed<T>& r,
-               bool keep_hpre) {
+void recompute(const ProjectionConfig& cfg, const ProjectionDims& d, const RowBlocks<const T>& x,
+               const ParamMatrices<T>& p, Recomputed<T>& r, bool keep_hpre) {
   const index_t N = d.rows(), GK = d.G * 4 * d.K, W2 = 2 * d.R * d.M;
   r.hpre.resize(N, GK);
   rows_times(x, p.dw1, r.hpre);

@@ -62,13 +62,18 @@ void check_dynamic_weights(const char* fn, const char* prefix, const SplitViews<
       const TensorView<U, 5>& v = k == 0 ? s.w1[c] : s.w2[c];
       require_given(fn, name, v, "(B, L, G, R, M)");
       check_shape(fn, name, v,
-                  {{"B", d.B, "x.shape[0]"}, {"L", d.L, "x.shape[1]"}, {"G", d.G, "dw1.shape[1]"},
-                   {"R", d.R, "qkw.shape[3] / 2"}, {"M", d.M, "qkw.shape[4]"}});
+                  {{"B", d.B, "x.shape[0]"},
+                   {"L", d.L, "x.shape[1]"},
+                   {"G", d.G, "dw1.shape[1]"},
+                   {"R", d.R, "qkw.shape[3] / 2"},
+                   {"M", d.M, "qkw.shape[4]"}});
     }
     const std::string name = split_name(prefix, c, "dd");
     require_given(fn, name, s.dd[c], "(B, L, G, M)");
     check_shape(fn, name, s.dd[c],
-                {{"B", d.B, "x.shape[0]"}, {"L", d.L, "x.shape[1]"}, {"G", d.G, "dw1.shape[1]"},
+                {{"B", d.B, "x.shape[0]"},
+                 {"L", d.L, "x.shape[1]"},
+                 {"G", d.G, "dw1.shape[1]"},
                  {"M", d.M, "qkw.shape[4]"}});
   }
 }
