@@ -20,8 +20,8 @@ struct WorkspaceAccess;
 /// sums), kept between calls. forward(), backward() and decode() given a Workspace take their
 /// buffers from it, growing them when a call needs more, and leave them there for the next call;
 /// without one a call allocates its own and frees them on return. Freshly allocated memory costs
-/// a page fault per page on first touch (about 5% of a DCMHA forward at H32/D128/T1024 here), so
-/// code that calls attention again and again (a training loop, layer after layer) should keep one.
+/// a page fault per page on first touch, so code that calls attention again and again (a
+/// training loop, layer after layer) should keep one.
 ///
 /// One call at a time: a call that finds its Workspace in use by another call throws
 /// dcmha::Error instead of sharing the buffers, so a program that calls dcmha from several

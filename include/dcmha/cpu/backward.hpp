@@ -176,16 +176,13 @@ struct BackwardWorkspace : SlabLayout {
     const index_t M = d.M;
     // Every query block reads K and V and updates dK and dV for all M heads over its keys
     // (K and V: 64 MiB at H32/D128/T2048, from DRAM), so fewer, larger blocks move less in all:
-    // up to 128 rows, as many as the panel budget allows. A/B of the DCMHA backward on a Zen 4,
-    // 128 rows (128 MiB) against 64 (48 MiB; 56 rows at T2048): H32/D128/T1024 0.912 and 0.966,
-    // T2048 0.843, 0.845 and 0.885, T512 1.004 and 1.008, H16/D64/T1024 0.966, T2048 0.887,
-    // T4096 0.801. Whole items per thread each need a set (up to one per item): the sets stay
-    // within 256 MiB together, and none gets less than the 48 MiB every set had before. Windows
-    // keep 64 rows: each row of a block computes W + Bq - 1 keys (see the forward's
-    // block_rows). Long sequences get fewer rows (40 at H16/T16384, was 32: 126 MB of panels,
-    // about what the forward's two per-thread panels already take from the same Workspace). The
-    // layout must not depend on the thread count: it fixes the order of the per-tile sums,
-    // which keeps the gradients bitwise the same for every count.
+    // up to 128 rows, as many as the panel budget allows (docs/performance.md). Whole items per
+    // thread each need a set (up to one per item): the sets stay within 256 MiB together, and
+    // none gets less than 48 MiB. Windows keep 64 rows: each row of a block computes
+    // W + Bq - 1 keys (see the forward's block_rows). Long sequences get fewer rows (40 at
+    // H16/T16384: 126 MB of panels, about what the forward's two per-thread panels already take
+    // from the same Workspace). The layout must not depend on the thread count: it fixes the
+    // order of the per-tile sums, which keeps the gradients bitwise the same for every count.
     const index_t budget = std::clamp<index_t>((index_t(256) << 20) / std::max<index_t>(items, 1),
                                                index_t(48) << 20, index_t(128) << 20);
     const index_t max_rows = mask.window > 0 ? 64 : 128;
@@ -193,8 +190,8 @@ struct BackwardWorkspace : SlabLayout {
                              max_rows);
     // Keys per tile: the tile's slabs of the three panels (3 x M x Bq x tile values, at least 32
     // keys: 1.5 MiB at H32 with 128-row blocks) are produced and consumed while they are in L2
-    // or close to it, as in the forward. Whole-panel sweeps made every Compose step of the
-    // backward wait on memory (perf: half of its time on the panel loads).
+    // or close to it, as in the forward. Sweeping whole panels instead would make every Compose
+    // step of the backward wait on memory.
     // One run of tiles over all keys of a block: any rank may take any tile.
     init_slabs<A>(M, Bq, 3, index_t(1024) << 10, mask.max_block_keys(Bq), 1);
   }
@@ -451,7 +448,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       // The slabs were written in pass 1, long enough ago to have left the cache.
       for (index_t i = lo; i < hi; ++i) {
         for (index_t m = 0; m < M; ++m) {
-          if (i + 1 < hi) {  // the next row's, head by head (in one burst per row they stalled)
+          if (i + 1 < hi) {  // the next row's, head by head (one burst per row would stall)
             prefetch_bytes(Ps + (i + 1) * rs + m * tw, n * index_t(sizeof(A)));
             prefetch_bytes(dPs + (i + 1) * rs + m * tw, n * index_t(sizeof(A)));
           }

@@ -34,7 +34,7 @@ struct TermPointers {
 };
 
 /// JB column vectors from column j of compose_chunk_registers. Each hidden accumulator gets one
-/// multiply-add per head, so with one vector the first loop waited on the multiply-add latency
+/// multiply-add per head, so with one vector the first loop would wait on the multiply-add latency
 /// (four chains, 4 cycles per head); JB vectors give JB times the independent chains.
 /// `next`: the next row's src (null for none), whose same columns are asked for head by head.
 template <class A, int RQ, int RK, int JB>
@@ -77,9 +77,8 @@ inline void compose_columns(index_t M, index_t ld, TermPointers<A> t, index_t j,
 /// softmax normalization 1/l into Compose_post this way instead of sweeping the panel once more.
 /// `next`: the next row's src (same layout, null for none), asked for a cache line per head as
 /// this row reaches the same columns. The panels' rows come from L3 at M = 32 (a forward slab is 2
-/// MiB); all M lines of the next row asked for at once before the call stalled on the prefetches
-/// (A/B of the DCMHA forward at H32/D128/T2048, spread against at once: 0.93-1.00 over seven
-/// runs, median 0.96).
+/// MiB); asking for all M lines of the next row at once, before the call, would stall on the
+/// prefetch instructions themselves.
 template <class A, int RQ, int RK>
 void compose_chunk_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s, int n,
                              const A* src, index_t src_hs, A* dst, index_t dst_hs,
@@ -110,12 +109,11 @@ void compose_chunk_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, in
 /// Per column block: the hidden vectors first (loop over heads), then each head's input gradient
 /// and weight gradients with those vectors in registers. The query-wise gradients are summed per
 /// head as lane vectors in L1 scratch and reduced into rg once per call: per-row lane
-/// accumulators (5 KiB a row at M = 32, Rq = 2) for a block's rows did not stay in cache, and the
-/// post side's transpose waited on them (-25% of its time with them reduced here, measured per
-/// phase). Column blocks outer instead of heads outer keeps the hidden vectors out of the stack
-/// (-10%, microbenchmark). `next`: the next row of one of the inputs (head stride next_hs, null
-/// for none), asked for a line per head as this row reaches the same columns
-/// (compose_chunk_registers).
+/// accumulators (5 KiB a row at M = 32, Rq = 2) for a block's rows would not stay in cache, and
+/// the post side's transpose would wait on them. Column blocks outer instead of heads outer keeps
+/// the hidden vectors in registers rather than on the stack. `next`: the next row of one of the
+/// inputs (head stride next_hs, null for none), asked for a line per head as this row reaches the
+/// same columns (compose_chunk_registers).
 template <class A, int RQ, int RK>
 void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s,
                                       int n, const A* a, index_t a_hs, const A* gp, index_t gp_hs,

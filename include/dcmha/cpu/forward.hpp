@@ -36,9 +36,8 @@ namespace dcmha::cpu {
 /// Rows per query block: as many as keep `panels` panels (each M x Bq x S values) within
 /// `budget` bytes, between 32 and max_rows. More rows per block means fewer passes over K and V
 /// (each block reads all of its keys for all M heads, from DRAM once M x S x D outgrows the cache)
-/// and better reuse of each packed key tile; below 32 rows packing costs more than the products
-/// (measured: 4x slower at Bq = 8), so long sequences get panels over budget, still O(S) per
-/// thread.
+/// and better reuse of each packed key tile; below 32 rows packing a key tile costs more than the
+/// products it feeds, so long sequences get panels over budget, still O(S) per thread.
 template <class A>
 inline index_t query_block_rows(index_t M, index_t ld, index_t T, index_t panels = 1,
                                 index_t budget = index_t(16) << 20, index_t max_rows = 64) {
@@ -55,9 +54,9 @@ inline A default_scale(double scale, index_t D) {
 /// Where forward and backward panels keep a block's values: one slab per key tile,
 /// [row][m][key in tile], so that the M heads of one row, which Compose reads together, are one
 /// contiguous run (M x tile values) and a tile's slab is one contiguous block; a rank's slabs
-/// follow each other, ranks one after another. Head-major over the whole block instead
-/// ([m][row][key]) put every head of a row in its own page: Compose missed the cache on half of
-/// its loads there (perf), and later passes read the panel back as M x Bq short streams.
+/// follow each other, ranks one after another. Head-major over the whole block ([m][row][key])
+/// would put every head of a row in its own page, so that Compose's loads would miss the cache,
+/// and later passes would read the panel back as M x Bq short streams.
 struct SlabLayout {
   index_t tile = 0;   // keys per tile
   index_t rs = 0;     // one slab row: M x tile values, padded
@@ -90,21 +89,17 @@ struct ForwardWorkspace : SlabLayout {
   index_t Bq = 0;
   A* panel = nullptr;  // [rank][tile][row][m][key], see SlabLayout
   // Outputs accumulate here, contiguous, and are written to the caller's tensor once per block
-  // (summed over a key-split team, rounded once for narrow storage). Accumulated tile after tile
-  // into the caller's rows, a page apart in the (B, T, H, D) layout, they had cost MHA's forward
-  // 5-7% (A/B at H32/D128/T2048: 0.948 and 0.932 of the time; DCMHA 0.97-1.01).
+  // (summed over a key-split team, rounded once for narrow storage): the caller's rows are a page
+  // apart in the (B, T, H, D) layout, too far apart to update tile after tile.
   A* o_part = nullptr;         // [rank][m][row][Dv]
   Buffer<A> row_max, row_sum;  // [rank][m][row]
 
   /// Rows per query block for a call on `threads` threads. The panel's cache footprint does not
   /// matter (slabs do), only its memory: 64 MiB. Up to 128 rows: DCMHA's query blocks read all M
-  /// heads' K and V, from DRAM once they outgrow L3, and 128-row blocks halve those passes (A/B
-  /// against 64 rows, DCMHA forward: H32/D128/T2048 0.897 and 0.933, H16/D64/T2048 0.938, T4096
-  /// 0.963; MHA 0.95-1.05). But only with at least 8 blocks per thread and no window. With fewer
-  /// blocks it gained nothing or lost (H32/D128/T1024 1.002 and 1.026; H16/D64/T1024 51.8 against
-  /// 44.0 ms in the bench, where the threads share 8 causal blocks of unequal size; T512 fell
-  /// back to key-split teams), and a window of W keys makes every row of a block compute
-  /// W + Bq - 1 keys (window 256, T2048: 243 against 210 ms).
+  /// heads' K and V, from DRAM once they outgrow L3, and 128-row blocks halve those passes. But
+  /// only with at least 8 blocks per thread (fewer leave the threads with causal blocks of unequal
+  /// size to share) and no window (a window of W keys makes every row of a block compute
+  /// W + Bq - 1 keys). See docs/performance.md.
   /// Long sequences stay below 64 rows (the budget: 56 at H16/T16384).
   static index_t block_rows(const detail::AttentionDims& d, const RowMask& mask, int threads) {
     const bool wide = mask.window == 0 && d.T >= 8 * 128 * index_t(threads);
@@ -136,13 +131,11 @@ struct ForwardWorkspace : SlabLayout {
 
  private:
   /// A tile's slab, M x Bq x tile values, is produced and consumed tile by tile, about L2-sized
-  /// (sweeping the whole panel once per step instead made DCMHA memory-bound: tens of MiB at
-  /// M = 32). 2 MiB: at H32/D128 and 128-row blocks, 128-key tiles instead of 32, so the P'V
+  /// (sweeping the whole panel once per step instead would make DCMHA memory-bound: tens of MiB
+  /// at M = 32). 2 MiB: at H32/D128 and 128-row blocks, 128-key tiles instead of 32, so the P'V
   /// products update each head's output rows (64 KiB, from L3) four times less often and
-  /// Compose and the softmax run on longer rows. A/B of the DCMHA forward against 512 KiB on a
-  /// Zen 4 (1 MiB L2): H32/D128/T2048 0.925 (and 0.925 at 1, 4 MiB), T1024 0.980, H16/D64/T2048
-  /// 0.943, T4096 0.933; 1, 2 and 4 MiB within 2% of each other. On a Zen 3 (512 KiB L2) 1 MiB
-  /// had measured 0.94-1.06.
+  /// Compose and the softmax run on longer rows. Larger slabs (up to 4 MiB) perform the same
+  /// (docs/performance.md).
   void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size, index_t rows) {
     Bq = rows;
     init_slabs<A>(d.M, Bq, 1, index_t(2) << 20, mask.max_block_keys(Bq), team_size);
@@ -298,8 +291,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
           for (index_t i = lo; i < hi; ++i) {
             A* p = slab + i * rs + (s - cs);
             // The products wrote the slab head by head, streaming Q and K past it: much of it has
-            // left L2 by now, so Compose asks for the next row as it goes (perf: without that,
-            // Compose waited on these loads for about half of its samples).
+            // left L2 by the time Compose reads it, so Compose asks for the next row as it goes.
             pre_fn(pre, pre_rows[i], s, n, p, tw, p, tw, nullptr, scratch,
                    i + 1 < hi ? p + rs : nullptr);
           }
@@ -353,9 +345,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
       const index_t ce = std::min(c1, cs + tw);
       A* slab = ws.slab_of(tid, tile);
       const A* tmax = tile_max + tile * M * Bq;
-      // One factor per row and head, vectorized (a scalar exp each: about 2% of the DCMHA
-      // forward's samples at 32-key tiles, perf). No keys seen yet (tm = -inf) gives 0, also
-      // where the row sees none at all (tm - final max would be NaN there).
+      // One factor per row and head, vectorized over the block's rows and heads rather than a
+      // scalar exp each. No keys seen yet (tm = -inf) gives 0, also where the row sees none at
+      // all (tm - final max would be NaN there).
       {
         using Row = Eigen::Map<const Eigen::Array<A, Eigen::Dynamic, 1>>;
         const Row tm(tmax, nr * M), fm(final_max, nr * M), inv(inv_sum, nr * M);

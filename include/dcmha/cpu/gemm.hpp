@@ -3,12 +3,12 @@
 //
 // Why not Eigen's GEMM here: it packs both operands into contiguous panels on every call. For
 // attention tiles (depth D = 64..128, a few dozen rows) that packing is a strided gather of K or V
-// whose cost is a fixed fraction of the product: measured 20% of the whole forward at
-// H32/T2048/D128, and it made small key tiles (which keep a DCMHA panel slice in L2) 1.6x
-// slower. One kernel serves all products: gemm_nn, C (+)= A B with B's rows contiguous and A's
-// elements broadcast, so A may have any strides (P'V, dS K, and read transposed P'^T dO, dS^T Q).
-// The A B^T products (scores Q K^T, dP' = dO V^T) first transpose one key tile of B into a small
-// buffer (pack_transposed), which the tile's Bq query rows then share.
+// whose cost is a fixed fraction of the product, and it makes small key tiles (which keep a DCMHA
+// panel slice in L2) slow (docs/performance.md). One kernel serves all products: gemm_nn,
+// C (+)= A B with B's rows contiguous and A's elements broadcast, so A may have any strides (P'V,
+// dS K, and read transposed P'^T dO, dS^T Q). The A B^T products (scores Q K^T, dP' = dO V^T)
+// first transpose one key tile of B into a small buffer (pack_transposed), which the tile's Bq
+// query rows then share.
 // Without vector extensions gemm_nn falls back to plain loops (correct, slow).
 #include <algorithm>
 #include <type_traits>
@@ -120,8 +120,8 @@ inline index_t nn_row_block(index_t ncol, index_t depth, const A* a, index_t ars
 /// bt[d][j] = alpha * b[j][d] for j < n, d < depth: B^T with row stride ldt, so that C = A B^T
 /// becomes the broadcast-A product gemm_nn. Packing one key tile costs 1/rows of the product it
 /// feeds (one transpose per element against `rows` multiply-adds); dot products along the depth
-/// instead need a horizontal reduction per output and two loads per multiply-add (measured 33
-/// against 54 GFLOP/s for gemm_nn on one core). B may be narrower storage (bf16), widened here.
+/// instead need a horizontal reduction per output and two loads per multiply-add. B may be narrower
+/// storage (bf16), widened here.
 template <class A, class S>
 void pack_transposed(index_t n, index_t depth, const S* b, index_t ldb, A alpha, A* bt,
                      index_t ldt) {
@@ -162,8 +162,7 @@ void pack_transposed(index_t n, index_t depth, const S* b, index_t ldb, A alpha,
 /// dst[j][:] = alpha * src[j][:] for j < n rows of `cols` values: one key tile of V (or Q, dO)
 /// packed contiguous, widened to A if src is narrower storage. Caller rows are often far apart
 /// (the (B, T, H, D) layout puts 16 KiB between the rows of one head at H32/D128), one page
-/// each: read in place by every row block of a product, they missed the TLB on most loads
-/// (measured: 30% of the forward's time on one load).
+/// each: read in place by every row block of a product, they would miss the TLB on most loads.
 template <class A, class S>
 void pack_rows(index_t n, index_t cols, const S* src, index_t lds, A* dst, index_t ldd,
                A alpha = A(1)) {
@@ -235,12 +234,11 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
     // Accumulated C rows are often far apart (the caller's dK, dV rows: 16 KiB at H32/D128) and
     // out of cache. Row blocks outer: each C row is read and written once, as one contiguous
     // run, and the next block's rows are asked for a block ahead, strip by strip as this block
-    // reaches the same columns (nn_row_block). Column strips outer read each row as one cache
-    // line per strip, a short-distance prefetch each: the backward's dK and dV products ran 1.6x
-    // slower than MHA's that way (measured per phase). Asking for the next block's whole rows at
-    // once (48 lines at D = 128) stalled on the prefetches themselves once the DCMHA forward's
-    // per-thread outputs (M x Bq x Dv values, 2 MiB at H32/D128) outgrew L2: 2.8% of its samples
-    // on them; strip by strip, A/B of the DCMHA forward at H32/D128/T2048 0.97, 0.94, 0.94, 0.99.
+    // reaches the same columns (nn_row_block). Column strips outer would read each row as one
+    // cache line per strip, each with a short prefetch distance, and slow the backward's dK and
+    // dV products. Asking for the next block's whole rows at once (48 lines at D = 128) stalls on
+    // the prefetch instructions themselves once the DCMHA forward's per-thread outputs
+    // (M x Bq x Dv values, 2 MiB at H32/D128) outgrow L2.
     constexpr int RB = kNnRows;
     const index_t bytes = ncol * index_t(sizeof(A));
     prefetch_rows(c, std::min<index_t>(rows, RB), ldc, bytes);

@@ -113,11 +113,10 @@ struct Team {
 
 /// Hands out a block's key tiles to a team. Each rank owns a contiguous run (its share of the
 /// tiles) and takes from its front; a rank whose run is empty takes from the back of another's.
-/// A static split made the whole team wait at every barrier for its slowest thread, and the
-/// vCPUs of a shared VM run at speeds that differ by up to 2x for tenths of a second (measured on
-/// the development VM; a busy sibling hyperthread on the host): the backward's barriers cost
-/// 7-10% of its time there. Who takes which tile varies from run to run, so whatever sums over
-/// tiles must do so per tile, in tile order.
+/// A static split would make the whole team wait at every barrier for its slowest thread, and
+/// threads on shared or oversubscribed machines (a vCPU whose sibling hyperthread is busy on the
+/// host) run at unequal speeds for tenths of a second. Who takes which tile varies from run to run,
+/// so whatever sums over tiles must do so per tile, in tile order.
 class TileQueue {
  public:
   /// Sized for `ranks` ranks, before the team starts.

@@ -57,7 +57,7 @@ inline S* next_kv_rows(const TensorView<S, 4>& x, index_t b, index_t h, index_t 
 /// later, by a product or a Compose pass that has other data in L1). Hardware prefetchers stop
 /// at page boundaries, and the kernels' streams are short runs pages apart (one row of K or V
 /// per caller row, one panel row per query row): without this each run starts with a full
-/// memory latency, and packing all heads' K and V per query block was latency-bound (perf).
+/// memory latency, which would leave packing all heads' K and V per query block latency-bound.
 inline void prefetch_bytes(const void* p, index_t bytes) {
 #if defined(__GNUC__)
   const char* c = static_cast<const char*>(p);
@@ -78,9 +78,8 @@ inline void prefetch_rows(const S* p, index_t rows, index_t stride, index_t byte
 /// while it runs: `rows` rows of `bytes` bytes, `stride` bytes apart. A DCMHA tile cycles through
 /// all M heads' K, V, Q and dO rows (megabytes at M = 32, D = 128), from L3 or memory and pages
 /// apart, where hardware prefetchers stop. Asked for in one burst (while packing the tile
-/// before), they filled the miss queue and the packing waited on its own loads (perf: 18% of the
-/// DCMHA forward in packing, 12% spread); not asked for, every product's first row block waited
-/// on its operand (15% of the backward's accumulating products on one load).
+/// before), they would fill the miss queue and the packing would wait on its own loads; not asked
+/// for, every product's first row block would wait on its operand.
 struct NextRows {
   const void* p = nullptr;
   index_t rows = 0, stride = 0, bytes = 0;
