@@ -40,7 +40,7 @@ namespace detail_bwd {
 /// Writes one side's key-wise gradient accumulators of group g to the caller's tensors, keys [s0,
 /// s1).
 template <class A, class T>
-void store_key_grads(const ComposeSide<A>& c, const ComposeKeyGrads<A>& kg,
+void store_key_grads(const KernelComposeTerms<A>& c, const ComposeKeyGrads<A>& kg,
                      const ComposeTermGrads<T>& out, index_t b, index_t g, index_t s0, index_t s1) {
   if (!c.has_k) return;
   const index_t M = c.M, ld = c.ld;
@@ -58,7 +58,7 @@ void store_key_grads(const ComposeSide<A>& c, const ComposeKeyGrads<A>& kg,
 /// `parts`, the next `stride` values on) into the caller's tensors. `sum`:
 /// ComposeRowGrads::size(c) values of scratch.
 template <class A, class T>
-void store_row_grads(const ComposeSide<A>& c, const A* parts, index_t stride, index_t count,
+void store_row_grads(const KernelComposeTerms<A>& c, const A* parts, index_t stride, index_t count,
                      const ComposeTermGrads<T>& out, index_t b, index_t t, index_t g, A* sum) {
   if (!c.has_q) return;
   const index_t M = c.M, n = ComposeRowGrads<A>::size(c);
@@ -101,6 +101,9 @@ void narrow_rows(const TensorView<A, 4>& x, const TensorView<T, 4>& out, index_t
 
 }  // namespace detail_bwd
 
+/// Which compose side a per-tile gradient sum belongs to; its value indexes the sides (pre: 0).
+enum class ComposeStage { pre, post };
+
 /// Buffers one team shares while it works on one (batch, group). The three panels and the packed
 /// Q and dO rows live in the call's Workspace (memory_size() values).
 ///
@@ -111,14 +114,16 @@ void narrow_rows(const TensorView<A, 4>& x, const TensorView<T, 4>& out, index_t
 template <class A>
 struct BackwardWorkspace : SlabLayout {
   index_t Bq = 0;
-  ComposeSide<A> pre, post;
+  KernelComposeTerms<A> pre, post;
   ComposeKeyGrads<A> pre_kg, post_kg;
-  A *Lp = nullptr, *Pp = nullptr, *dPp = nullptr;  // [tile][row][m][key], see SlabLayout
-  Buffer<A> d_tile;                                // [tile][m][row]: D over the tile's keys
-  Buffer<A> p_tile;                                // [tile][m][row]: P over the tile's keys
+  // [tile][row][m][key], see SlabLayout. Scores: L, Compose_pre's input (pre only). Probs: L',
+  // then P. Grads: dP' = dO V^T, overwritten in turn by dP, dL' and dL.
+  A *scores_panel = nullptr, *probs_panel = nullptr, *grads_panel = nullptr;
+  Buffer<A> d_tile;           // [tile][m][row]: D over the tile's keys
+  Buffer<A> p_tile;           // [tile][m][row]: P over the tile's keys
   Buffer<A> pre_rg, post_rg;  // [tile][row][ComposeRowGrads::size]: query-wise gradient sums
   Buffer<A> dw_tile;          // [tile][side][m][n], sides with static W
-  A *qall = nullptr, *oall = nullptr;  // [m][row][D or Dv]: the block's Q (scaled), dO
+  A *packed_q = nullptr, *packed_dout = nullptr;  // [m][row][D or Dv]: the block's Q (scaled), dO
   TileQueue pass1, pass2;
   std::atomic<index_t> heads_taken{0};  // dQ's heads: a ticket counter, never reset
 
@@ -145,11 +150,11 @@ struct BackwardWorkspace : SlabLayout {
     if (pre.has_k) pre_kg.init(pre);
     if (post.has_k) post_kg.init(post);
     const index_t panel = panel_size(1);
-    Lp = memory;
-    Pp = Lp + (pre.on ? panel : 0);
-    dPp = Pp + panel;
-    qall = dPp + panel;
-    oall = qall + Bq * M * d.D;
+    scores_panel = memory;
+    probs_panel = scores_panel + (pre.on ? panel : 0);
+    grads_panel = probs_panel + panel;
+    packed_q = grads_panel + panel;
+    packed_dout = packed_q + Bq * M * d.D;
     d_tile.assign(tiles * M * Bq, A(0));
     p_tile.assign(tiles * M * Bq, A(0));
     pre_rg.assign(tiles * Bq * ComposeRowGrads<A>::size(pre), A(0));
@@ -159,16 +164,19 @@ struct BackwardWorkspace : SlabLayout {
     pass2.resize(team_size);
   }
   A* slab_of(A* panel, index_t t) { return panel + slab_offset(0, t); }
-  /// Row i of tile t's sums of one side's query-wise gradients (side 0: pre); rows follow each
-  /// other, tiles too.
-  ComposeRowGrads<A> row_grads(const ComposeSide<A>& side, int which, index_t t, index_t i) {
+  /// Row i of tile t's sums of one side's query-wise gradients; rows follow each other, tiles
+  /// too.
+  ComposeRowGrads<A> row_grads(const KernelComposeTerms<A>& side, ComposeStage stage, index_t t,
+                               index_t i) {
     ComposeRowGrads<A> r;
-    r.init(side, (which ? post_rg : pre_rg).data() + (t * Bq + i) * ComposeRowGrads<A>::size(side));
+    r.init(side, (stage == ComposeStage::post ? post_rg : pre_rg).data() +
+                     (t * Bq + i) * ComposeRowGrads<A>::size(side));
     return r;
   }
-  /// Tile t's accumulator of one side's static-weight gradient (side 0: pre), or null without W.
-  A* dw_of(const ComposeSide<A>& side, int which, index_t t) {
-    return side.has_w ? dw_tile.data() + (t * 2 + which) * side.M * side.M : nullptr;
+  /// Tile t's accumulator of one side's static-weight gradient, or null without W.
+  A* dw_of(const KernelComposeTerms<A>& side, ComposeStage stage, index_t t) {
+    return side.has_w ? dw_tile.data() + (t * 2 + static_cast<int>(stage)) * side.M * side.M
+                      : nullptr;
   }
 
  private:
@@ -246,9 +254,9 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   using namespace detail_bwd;
   const int tid = team.rank, nth = team.size;
   const index_t M = d.M, D = d.D, Dv = d.Dv, group_of_kv = d.H / d.Hk;
-  const index_t Bq = ws.Bq, tw = ws.tile, rs = ws.rs;
-  ComposeSide<A>& pre = ws.pre;
-  ComposeSide<A>& post = ws.post;
+  const index_t Bq = ws.Bq, keys_per_tile = ws.tile, row_stride = ws.row_stride;
+  KernelComposeTerms<A>& pre = ws.pre;
+  KernelComposeTerms<A>& post = ws.post;
 
   std::vector<ComposeRow<A>>& pre_rows = buffers.pre_rows;
   std::vector<ComposeRow<A>>& post_rows = buffers.post_rows;
@@ -259,8 +267,8 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   A* const kbuf = buffers.kbuf;
   // The team's: this block's rows of Q (scaled) and dO for every head, packed once per block and
   // shared by every tile.
-  A* qall = ws.qall;
-  A* oall = ws.oall;
+  A* packed_q = ws.packed_q;
+  A* packed_dout = ws.packed_dout;
   Buffer<A>& row_d = buffers.row_d;
   Buffer<A>& dq_rows = buffers.dq_rows;
   // The same keys of the next kv head, for the packing routines to prefetch.
@@ -270,7 +278,7 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
   auto tiles_of = [&](index_t t0) {
     if (t0 >= d.T) return index_t(0);
     const KeyRange keys = mask.rows(b, t0, std::min(d.T, t0 + Bq));
-    return (std::max<index_t>(keys.end - keys.begin, 0) + tw - 1) / tw;
+    return (std::max<index_t>(keys.end - keys.begin, 0) + keys_per_tile - 1) / keys_per_tile;
   };
   // The rows of the block at t0 that enter the products: [lo, lo + n), none if it sees no keys.
   struct LiveRows {
@@ -284,13 +292,13 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     r.n = std::max<index_t>(hi - r.lo, 0);
     return r;
   };
-  // Head m's live rows of the block at t0 into qall / oall.
+  // Head m's live rows of the block at t0 into packed_q / packed_dout.
   auto pack_head = [&](index_t t0, const LiveRows& r, index_t m) {
     const index_t h = g * M + m;
-    pack_rows<A>(r.n, D, row_ptr(q, b, h, t0 + r.lo), q.stride[2], qall + (m * Bq + r.lo) * D, D,
-                 scale);
+    pack_rows<A>(r.n, D, row_ptr(q, b, h, t0 + r.lo), q.stride[2], packed_q + (m * Bq + r.lo) * D,
+                 D, scale);
     pack_rows<A>(r.n, Dv, row_ptr(dout, b, h, t0 + r.lo), dout.stride[2],
-                 oall + (m * Bq + r.lo) * Dv, Dv);
+                 packed_dout + (m * Bq + r.lo) * Dv, Dv);
   };
 
   index_t s0, s1;
@@ -312,8 +320,9 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     // causal rows before the first key) get zero gradients and are never read: the caller's Q
     // and dO rows there may hold anything, and a zero probability times a NaN is still NaN.
     const LiveRows live = live_rows_of(t0);
-    const index_t lo = live.lo, nl = live.n, hi = lo + nl;
-    const index_t c0 = keys.begin, ntiles = tiles_of(t0), c1 = std::min(keys.end, c0 + ntiles * tw);
+    const index_t lo = live.lo, block_live_rows = live.n, hi = lo + block_live_rows;
+    const index_t c0 = keys.begin, ntiles = tiles_of(t0),
+                  c1 = std::min(keys.end, c0 + ntiles * keys_per_tile);
     ws.pass2.reset(tid, nth, ntiles);  // its last take() was before the previous block's barrier
     for (index_t i = 0; i < nr; ++i) {
       pre_rows[i].load(pre, cw.pre, b, t0 + i, g);
@@ -322,52 +331,55 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     // A head's packed Q and dO rows, for the product before theirs to ask for (null past the last
     // head).
     auto q_rows = [&](index_t m) {
-      return next_rows(m < M ? qall + (m * Bq + lo) * D : nullptr, nl, D, D);
+      return next_rows(m < M ? packed_q + (m * Bq + lo) * D : nullptr, block_live_rows, D, D);
     };
     auto dout_rows = [&](index_t m) {
-      return next_rows(m < M ? oall + (m * Bq + lo) * Dv : nullptr, nl, Dv, Dv);
+      return next_rows(m < M ? packed_dout + (m * Bq + lo) * Dv : nullptr, block_live_rows, Dv, Dv);
     };
     // Tile `tile`'s keys [cs, ce) and its slabs.
     struct TileKeys {
       index_t cs, ce, n;
-      A *Ps, *Ls, *dPs;
+      A *probs_slab, *scores_slab, *grads_slab;
     };
     auto tile_keys = [&](index_t tile) {
       TileKeys tk;
-      tk.cs = c0 + tile * tw;
-      tk.ce = std::min(c1, tk.cs + tw);
+      tk.cs = c0 + tile * keys_per_tile;
+      tk.ce = std::min(c1, tk.cs + keys_per_tile);
       tk.n = tk.ce - tk.cs;
-      tk.Ps = ws.slab_of(ws.Pp, tile);  // Ps[i * rs + m * tw + (s - cs)] holds key s
-      tk.Ls = pre.on ? ws.slab_of(ws.Lp, tile) : tk.Ps;
-      tk.dPs = ws.slab_of(ws.dPp, tile);
+      // probs_slab[i * row_stride + m * keys_per_tile + (s - cs)] holds key s
+      tk.probs_slab = ws.slab_of(ws.probs_panel, tile);
+      tk.scores_slab = pre.on ? ws.slab_of(ws.scores_panel, tile) : tk.probs_slab;
+      tk.grads_slab = ws.slab_of(ws.grads_panel, tile);
       return tk;
     };
 
     // Zeroes tile `tile`'s sums of one side's query-wise gradients (its rows [lo, hi), one run)
     // and static-weight gradient; returns the latter.
-    auto zero_tile_grads = [&](const ComposeSide<A>& side, int which, index_t tile) {
+    auto zero_tile_grads = [&](const KernelComposeTerms<A>& side, ComposeStage stage,
+                               index_t tile) {
       if (side.has_q && hi > lo) {
-        const ComposeRowGrads<A> r = ws.row_grads(side, which, tile, lo);
+        const ComposeRowGrads<A> r = ws.row_grads(side, stage, tile, lo);
         std::fill(r.sums, r.sums + (hi - lo) * r.count, A(0));
       }
-      A* dw = ws.dw_of(side, which, tile);
+      A* dw = ws.dw_of(side, stage, tile);
       if (dw) std::fill(dw, dw + M * M, A(0));
       return dw;
     };
 
     // Pass 1.
     for (index_t tile; (tile = ws.pass1.take(tid)) >= 0;) {
-      const auto [cs, ce, n, Ps, Ls, dPs] = tile_keys(tile);
-      A* const dw_post_tile = zero_tile_grads(post, 1, tile);
+      const auto [cs, ce, n, probs_slab, scores_slab, grads_slab] = tile_keys(tile);
+      A* const dw_post_tile = zero_tile_grads(post, ComposeStage::post, tile);
       for (index_t m = 0; m < M; ++m) {
         const index_t hk = (g * M + m) / group_of_kv;
         // Scores from the packed, scaled Q rows (contiguous) rather than the caller's (a page
         // apart).
-        gemm_abt<A>(nl, n, D, qall + (m * Bq + lo) * D, D, row_ptr(k, b, hk, cs), k.stride[2],
-                    Ls + lo * rs + m * tw, rs, A(1), kbuf,
-                    {next_rows(next_head(k, m, cs), n, k.stride[2], D), dout_rows(m)});
-        gemm_abt<A>(nl, n, Dv, oall + (m * Bq + lo) * Dv, Dv, row_ptr(v, b, hk, cs), v.stride[2],
-                    dPs + lo * rs + m * tw, rs, A(1), kbuf,
+        gemm_abt<A>(block_live_rows, n, D, packed_q + (m * Bq + lo) * D, D, row_ptr(k, b, hk, cs),
+                    k.stride[2], scores_slab + lo * row_stride + m * keys_per_tile, row_stride,
+                    A(1), kbuf, {next_rows(next_head(k, m, cs), n, k.stride[2], D), dout_rows(m)});
+        gemm_abt<A>(block_live_rows, n, Dv, packed_dout + (m * Bq + lo) * Dv, Dv,
+                    row_ptr(v, b, hk, cs), v.stride[2],
+                    grads_slab + lo * row_stride + m * keys_per_tile, row_stride, A(1), kbuf,
                     {next_rows(next_head(v, m, cs), n, v.stride[2], Dv), q_rows(m + 1)});
       }
       // Chunks outer: a chunk's key-wise terms stay in L1 while every row uses them.
@@ -375,14 +387,15 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i)
-            pre_fn(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, Ps + i * rs + (s - cs), tw,
-                   nullptr, scratch.data(), i + 1 < hi ? Ls + (i + 1) * rs + (s - cs) : nullptr);
+            pre_fn(pre, pre_rows[i], s, nc, scores_slab + i * row_stride + (s - cs), keys_per_tile,
+                   probs_slab + i * row_stride + (s - cs), keys_per_tile, nullptr, scratch.data(),
+                   i + 1 < hi ? scores_slab + (i + 1) * row_stride + (s - cs) : nullptr);
         }
       for (index_t i = 0; i < nr; ++i) {
         const KeyRange r = mask.row(b, t0 + i);
         const index_t vb = std::max(r.begin, cs), ve = std::min(r.end, ce);
         for (index_t m = 0; m < M; ++m) {
-          A* row = Ps + i * rs + m * tw - cs;  // row[s] holds key s
+          A* row = probs_slab + i * row_stride + m * keys_per_tile - cs;  // row[s] holds key s
           if (ve > vb) {
             Segment<A> p(row + vb, ve - vb);
             p = (p - lse(b, g * M + m, t0 + i)).exp();
@@ -392,26 +405,30 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         }
       }
       // P' = Compose_post(P) (P itself without post compose), then dV += P'^T dO.
-      const A* Pt = post.on ? ptile : Ps;
+      const A* Pt = post.on ? ptile : probs_slab;
       if (post.on)
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i)
-            post_fn(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw,
-                    ptile + i * rs + (s - cs), tw, nullptr, scratch.data(), nullptr);
+            post_fn(post, post_rows[i], s, nc, probs_slab + i * row_stride + (s - cs),
+                    keys_per_tile, ptile + i * row_stride + (s - cs), keys_per_tile, nullptr,
+                    scratch.data(), nullptr);
         }
       for (index_t m = 0; m < M; ++m)
-        gemm_nn<A>(n, Dv, nl, Pt + lo * rs + m * tw, 1, rs, oall + (m * Bq + lo) * Dv, Dv,
+        gemm_nn<A>(n, Dv, block_live_rows, Pt + lo * row_stride + m * keys_per_tile, 1, row_stride,
+                   packed_dout + (m * Bq + lo) * Dv, Dv,
                    row_ptr(dv, b, (g * M + m) / group_of_kv, cs), dv.stride[2], true,
                    {{}, dout_rows(m + 1)});
       if (post.on) {
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
-            A* gp = dPs + i * rs + (s - cs);
-            ComposeRowGrads<A> rg = ws.row_grads(post, 1, tile, i);
-            post_bwd(post, post_rows[i], s, nc, Ps + i * rs + (s - cs), tw, gp, tw, gp, tw, rg,
-                     ws.post_kg, dw_post_tile, scratch.data(), i + 1 < hi ? gp + rs : nullptr, tw);
+            A* grad_chunk = grads_slab + i * row_stride + (s - cs);
+            ComposeRowGrads<A> rg = ws.row_grads(post, ComposeStage::post, tile, i);
+            post_bwd(post, post_rows[i], s, nc, probs_slab + i * row_stride + (s - cs),
+                     keys_per_tile, grad_chunk, keys_per_tile, grad_chunk, keys_per_tile, rg,
+                     ws.post_kg, dw_post_tile, scratch.data(),
+                     i + 1 < hi ? grad_chunk + row_stride : nullptr, keys_per_tile);
           }
         }
       }
@@ -419,8 +436,9 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
       A* pt = ws.p_tile.data() + tile * M * Bq;
       for (index_t i = lo; i < hi; ++i)
         for (index_t m = 0; m < M; ++m) {
-          const Segment<A> p(Ps + i * rs + m * tw, n);
-          dt[m * Bq + i] = (p * Segment<A>(dPs + i * rs + m * tw, n)).sum();
+          const Segment<A> p(probs_slab + i * row_stride + m * keys_per_tile, n);
+          dt[m * Bq + i] =
+              (p * Segment<A>(grads_slab + i * row_stride + m * keys_per_tile, n)).sum();
           pt[m * Bq + i] = p.sum();
         }
     }
@@ -443,32 +461,38 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
         row_d[i * M + m] = Pm > 0 ? Dm / Pm : A(0);
       }
     for (index_t tile; (tile = ws.pass2.take(tid)) >= 0;) {
-      const auto [cs, ce, n, Ps, Ls, dPs] = tile_keys(tile);
-      A* const dw_pre_tile = zero_tile_grads(pre, 0, tile);
+      const auto [cs, ce, n, probs_slab, scores_slab, grads_slab] = tile_keys(tile);
+      A* const dw_pre_tile = zero_tile_grads(pre, ComposeStage::pre, tile);
       // The slabs were written in pass 1, long enough ago to have left the cache.
       for (index_t i = lo; i < hi; ++i) {
         for (index_t m = 0; m < M; ++m) {
           if (i + 1 < hi) {  // the next row's, head by head (one burst per row would stall)
-            prefetch_bytes(Ps + (i + 1) * rs + m * tw, n * index_t(sizeof(A)));
-            prefetch_bytes(dPs + (i + 1) * rs + m * tw, n * index_t(sizeof(A)));
+            prefetch_bytes(probs_slab + (i + 1) * row_stride + m * keys_per_tile,
+                           n * index_t(sizeof(A)));
+            prefetch_bytes(grads_slab + (i + 1) * row_stride + m * keys_per_tile,
+                           n * index_t(sizeof(A)));
           }
-          Segment<A> dp(dPs + i * rs + m * tw, n);
-          dp = Segment<A>(Ps + i * rs + m * tw, n) * (dp - row_d[i * M + m]);
+          Segment<A> dp(grads_slab + i * row_stride + m * keys_per_tile, n);
+          dp = Segment<A>(probs_slab + i * row_stride + m * keys_per_tile, n) *
+               (dp - row_d[i * M + m]);
         }
       }
       if (pre.on)
         for (index_t s = cs; s < ce; s += kChunk) {
           const int nc = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
-            A* gp = dPs + i * rs + (s - cs);
-            ComposeRowGrads<A> rg = ws.row_grads(pre, 0, tile, i);
-            pre_bwd(pre, pre_rows[i], s, nc, Ls + i * rs + (s - cs), tw, gp, tw, gp, tw, rg,
-                    ws.pre_kg, dw_pre_tile, scratch.data(),
-                    i + 1 < hi ? Ls + (i + 1) * rs + (s - cs) : nullptr, tw);
+            A* grad_chunk = grads_slab + i * row_stride + (s - cs);
+            ComposeRowGrads<A> rg = ws.row_grads(pre, ComposeStage::pre, tile, i);
+            pre_bwd(pre, pre_rows[i], s, nc, scores_slab + i * row_stride + (s - cs), keys_per_tile,
+                    grad_chunk, keys_per_tile, grad_chunk, keys_per_tile, rg, ws.pre_kg,
+                    dw_pre_tile, scratch.data(),
+                    i + 1 < hi ? scores_slab + (i + 1) * row_stride + (s - cs) : nullptr,
+                    keys_per_tile);
           }
         }
       for (index_t m = 0; m < M; ++m)
-        gemm_nn<A>(n, D, nl, dPs + lo * rs + m * tw, 1, rs, qall + (m * Bq + lo) * D, D,
+        gemm_nn<A>(n, D, block_live_rows, grads_slab + lo * row_stride + m * keys_per_tile, 1,
+                   row_stride, packed_q + (m * Bq + lo) * D, D,
                    row_ptr(dk, b, (g * M + m) / group_of_kv, cs), dk.stride[2], true,
                    {{}, q_rows(m + 1)});
     }
@@ -486,20 +510,22 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
          (m = ws.heads_taken.fetch_add(1, std::memory_order_relaxed) - heads_ticket) < M;) {
       const index_t hk = (g * M + m) / group_of_kv;
       for (index_t tile = 0; tile < ntiles; ++tile) {
-        const index_t cs = c0 + tile * tw, n = std::min(c1, cs + tw) - cs;
-        const A* dL = ws.slab_of(ws.dPp, tile) + lo * rs + m * tw;
+        const index_t cs = c0 + tile * keys_per_tile, n = std::min(c1, cs + keys_per_tile) - cs;
+        const A* dL = ws.slab_of(ws.grads_panel, tile) + lo * row_stride + m * keys_per_tile;
         NextReads next;
         if (tile + 1 < ntiles) {
-          const index_t nn = std::min(tw, c1 - cs - tw);
-          next = {next_rows(row_ptr(k, b, hk, cs + tw), nn, k.stride[2], D),
-                  next_rows(dL + ws.slab, nl, rs, nn)};
+          const index_t nn = std::min(keys_per_tile, c1 - cs - keys_per_tile);
+          next = {next_rows(row_ptr(k, b, hk, cs + keys_per_tile), nn, k.stride[2], D),
+                  next_rows(dL + ws.slab, block_live_rows, row_stride, nn)};
         } else if (m + 1 < M) {
-          const index_t nn = std::min(tw, c1 - c0);
-          next = {next_rows(row_ptr(k, b, (g * M + m + 1) / group_of_kv, c0), nn, k.stride[2], D),
-                  next_rows(ws.slab_of(ws.dPp, 0) + lo * rs + (m + 1) * tw, nl, rs, nn)};
+          const index_t nn = std::min(keys_per_tile, c1 - c0);
+          next = {
+              next_rows(row_ptr(k, b, (g * M + m + 1) / group_of_kv, c0), nn, k.stride[2], D),
+              next_rows(ws.slab_of(ws.grads_panel, 0) + lo * row_stride + (m + 1) * keys_per_tile,
+                        block_live_rows, row_stride, nn)};
         }
-        gemm_ab<A>(nl, D, n, dL, rs, 1, row_ptr(k, b, hk, cs), k.stride[2], dq_rows.data() + lo * D,
-                   D, tile > 0, kbuf, scale, next);
+        gemm_ab<A>(block_live_rows, D, n, dL, row_stride, 1, row_ptr(k, b, hk, cs), k.stride[2],
+                   dq_rows.data() + lo * D, D, tile > 0, kbuf, scale, next);
       }
       for (index_t i = 0; i < nr; ++i) {
         T* out = row_ptr(dq, b, g * M + m, t0 + i);
@@ -517,18 +543,21 @@ void backward_group(const Team& team, BackwardWorkspace<A>& ws, const RowMask& m
     split_range(0, nr, tid, nth, 1, r0, r1);
     for (index_t i = r0; i < r1; ++i) {
       const index_t count = i >= lo && i < hi ? ntiles : 0;
-      store_row_grads(pre, ws.row_grads(pre, 0, 0, i).sums, Bq * ComposeRowGrads<A>::size(pre),
-                      count, dcw.pre, b, t0 + i, g, scratch.data());
-      store_row_grads(post, ws.row_grads(post, 1, 0, i).sums, Bq * ComposeRowGrads<A>::size(post),
-                      count, dcw.post, b, t0 + i, g, scratch.data());
+      store_row_grads(pre, ws.row_grads(pre, ComposeStage::pre, 0, i).sums,
+                      Bq * ComposeRowGrads<A>::size(pre), count, dcw.pre, b, t0 + i, g,
+                      scratch.data());
+      store_row_grads(post, ws.row_grads(post, ComposeStage::post, 0, i).sums,
+                      Bq * ComposeRowGrads<A>::size(post), count, dcw.post, b, t0 + i, g,
+                      scratch.data());
     }
     if (tid == 0)
-      for (int which = 0; which < 2; ++which) {
-        const ComposeSide<A>& side = which ? post : pre;
-        A* dw = which ? dw_post : dw_pre;
-        if (!side.has_w || !dw || nl == 0) continue;
+      for (int stage_index = 0; stage_index < 2; ++stage_index) {
+        const ComposeStage stage = static_cast<ComposeStage>(stage_index);
+        const KernelComposeTerms<A>& side = stage == ComposeStage::post ? post : pre;
+        A* dw = stage == ComposeStage::post ? dw_post : dw_pre;
+        if (!side.has_w || !dw || block_live_rows == 0) continue;
         for (index_t tile = 0; tile < ntiles; ++tile) {
-          const A* part = ws.dw_of(side, which, tile);
+          const A* part = ws.dw_of(side, stage, tile);
           for (index_t j = 0; j < M * M; ++j) dw[j] += part[j];
         }
       }

@@ -40,7 +40,7 @@ constexpr int kVectorBytes = 16;
 
 /// One side's compose inputs for one (b, g) in kernel layout.
 template <class A>
-struct ComposeSide {
+struct KernelComposeTerms {
   bool on = false, has_w = false, has_q = false, has_k = false;
   bool borrowed = false;  // key-wise terms read in place from the caller's tensors
   index_t M = 0, Rq = 0, Rk = 0, ld = 0;
@@ -144,13 +144,14 @@ struct ComposeRow {
   Buffer<A> qw1, qw2;  // [r][m]
   Buffer<A> qdd;       // [m]
 
-  void init(const ComposeSide<A>& side) {
+  void init(const KernelComposeTerms<A>& side) {
     qw1.assign(side.Rq * side.M, A(0));
     qw2.assign(side.Rq * side.M, A(0));
     qdd.assign(side.M, A(0));
   }
   template <class T>
-  void load(const ComposeSide<A>& side, const ComposeTerms<T>& c, index_t b, index_t t, index_t g) {
+  void load(const KernelComposeTerms<A>& side, const ComposeTerms<T>& c, index_t b, index_t t,
+            index_t g) {
     if (!side.has_q) return;
     for (index_t r = 0; r < side.Rq; ++r)
       for (index_t m = 0; m < side.M; ++m) {
@@ -164,7 +165,7 @@ struct ComposeRow {
 /// dst[n][j] = Compose(src[:, j])_n for the n keys s .. s+n-1 of one row. src and dst hold head m
 /// at src + m*src_hs (resp. dst + m*dst_hs) and may be the same memory.
 template <class A>
-inline void compose_chunk(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s, int n,
+inline void compose_chunk(const KernelComposeTerms<A>& c, const ComposeRow<A>& q, index_t s, int n,
                           const A* src, index_t src_hs, A* dst, index_t dst_hs, A* scratch) {
   const index_t M = c.M, Rq = c.Rq, Rk = c.Rk, ld = c.ld;
   A* qh = scratch;            // [Rq][kChunk]
@@ -238,8 +239,8 @@ struct ComposeRowGrads {
   A* sums = nullptr;
   index_t n1 = 0;  // Rq * M
   index_t count = 0;
-  static index_t size(const ComposeSide<A>& c) { return c.has_q ? 2 * c.Rq * c.M + c.M : 0; }
-  void init(const ComposeSide<A>& c, A* memory) {
+  static index_t size(const KernelComposeTerms<A>& c) { return c.has_q ? 2 * c.Rq * c.M + c.M : 0; }
+  void init(const KernelComposeTerms<A>& c, A* memory) {
     n1 = c.Rq * c.M;
     count = size(c);
     sums = memory;
@@ -252,37 +253,39 @@ struct ComposeRowGrads {
   const A* qdd() const { return sums + 2 * n1; }
 };
 
-/// Gradient accumulators of one side's key-wise terms for one (b, g), same layout as ComposeSide
-/// ([r][m][s]); each key is owned by one thread, so they are shared without races.
+/// Gradient accumulators of one side's key-wise terms for one (b, g), same layout as
+/// KernelComposeTerms ([r][m][s]); each key is owned by one thread, so they are shared without
+/// races.
 template <class A>
 struct ComposeKeyGrads {
   Buffer<A> kw1, kw2, kdd;
-  void init(const ComposeSide<A>& c) {
+  void init(const KernelComposeTerms<A>& c) {
     kw1.assign(c.Rk * c.M * c.ld, A(0));
     kw2.assign(c.Rk * c.M * c.ld, A(0));
     kdd.assign(c.M * c.ld, A(0));
   }
 };
 
-/// The transpose of compose_chunk. Given the compose input `a` and the gradient `gp` of its
-/// output on one row chunk, writes the gradient of the input to g (which may alias gp) and adds
-/// the weights' gradients: the row's query-wise ones to rg, the key-wise ones to kg (at keys
-/// s .. s+n-1), the static one to dw ([m][n]).
+/// The transpose of compose_chunk. Given the compose input `a` and the gradient `out_grad` of its
+/// output on one row chunk, writes the gradient of the input to in_grad (which may alias out_grad)
+/// and adds the weights' gradients: the row's query-wise ones to rg, the key-wise ones to kg (at
+/// keys s .. s+n-1), the static one to dw ([m][n]).
 template <class A>
-inline void compose_chunk_backward(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s,
-                                   int n, const A* a, index_t a_hs, const A* gp, index_t gp_hs,
-                                   A* g, index_t g_hs, ComposeRowGrads<A>& rg,
-                                   ComposeKeyGrads<A>& kg, A* dw, A* scratch) {
+inline void compose_chunk_backward(const KernelComposeTerms<A>& c, const ComposeRow<A>& q,
+                                   index_t s, int n, const A* a, index_t a_hs, const A* out_grad,
+                                   index_t out_grad_hs, A* in_grad, index_t in_grad_hs,
+                                   ComposeRowGrads<A>& rg, ComposeKeyGrads<A>& kg, A* dw,
+                                   A* scratch) {
   const index_t M = c.M, Rq = c.Rq, Rk = c.Rk, ld = c.ld;
   A* qh = scratch;            // [Rq][kChunk]  sum_m a_m qw1_rm
   A* kh = qh + Rq * kChunk;   // [Rk][kChunk]  sum_m a_m kw1_rm
-  A* gq = kh + Rk * kChunk;   // [Rq][kChunk]  sum_n qw2_rn gp_n
-  A* gk = gq + Rq * kChunk;   // [Rk][kChunk]  sum_n kw2_rn gp_n
-  A* mix = gk + Rk * kChunk;  // [M][kChunk]   static term staged (g may alias gp)
+  A* gq = kh + Rk * kChunk;   // [Rq][kChunk]  sum_n qw2_rn out_grad_n
+  A* gk = gq + Rq * kChunk;   // [Rk][kChunk]  sum_n kw2_rn out_grad_n
+  A* mix = gk + Rk * kChunk;  // [M][kChunk]   static term staged (in_grad may alias out_grad)
   for (index_t i = 0; i < 2 * (Rq + Rk) * kChunk; ++i) qh[i] = A(0);
   for (index_t m = 0; m < M; ++m) {
     const A* am = a + m * a_hs;
-    const A* gm = gp + m * gp_hs;
+    const A* gm = out_grad + m * out_grad_hs;
     for (index_t r = 0; r < Rq; ++r) {
       const A w1 = q.qw1[r * M + m], w2 = q.qw2[r * M + m];
       A* h = qh + r * kChunk;
@@ -305,10 +308,11 @@ inline void compose_chunk_backward(const ComposeSide<A>& c, const ComposeRow<A>&
       }
     }
   }
-  // Weight gradients read a and gp, so they come before g (which may overwrite gp).
+  // Weight gradients read a and out_grad, so they come before in_grad (which may overwrite
+  // out_grad).
   for (index_t m = 0; m < M; ++m) {
     const A* am = a + m * a_hs;
-    const A* gm = gp + m * gp_hs;
+    const A* gm = out_grad + m * out_grad_hs;
     for (index_t r = 0; r < Rq; ++r) {
       const A* h = qh + r * kChunk;
       const A* e = gq + r * kChunk;
@@ -350,7 +354,7 @@ inline void compose_chunk_backward(const ComposeSide<A>& c, const ComposeRow<A>&
       A* x = mix + m * kChunk;
       for (int j = 0; j < n; ++j) x[j] = A(0);
       for (index_t o = 0; o < M; ++o) {
-        const A* go = gp + o * gp_hs;
+        const A* go = out_grad + o * out_grad_hs;
         const A w = c.w[m * M + o];
         A sw = 0;
 #pragma omp simd reduction(+ : sw)
@@ -363,8 +367,8 @@ inline void compose_chunk_backward(const ComposeSide<A>& c, const ComposeRow<A>&
     }
   }
   for (index_t m = 0; m < M; ++m) {
-    const A* gm = gp + m * gp_hs;
-    A* out = g + m * g_hs;
+    const A* gm = out_grad + m * out_grad_hs;
+    A* out = in_grad + m * in_grad_hs;
     const A gqd = A(1) + (c.has_q ? q.qdd[m] : A(0));
     if (c.has_k) {
       const A* kd = c.kd + m * ld + s;

@@ -20,11 +20,11 @@ namespace dcmha::cpu {
 
 /// One row's query-wise terms and the key-wise terms from key s on, as plain pointers held by
 /// value: the kernels' stores go through memcpy, which may alias anything, so members read
-/// through ComposeSide and ComposeRow would be reloaded after every store.
+/// through KernelComposeTerms and ComposeRow would be reloaded after every store.
 template <class A>
 struct TermPointers {
   const A *qw1, *qw2, *qdd, *kw1, *kw2, *kdd;
-  TermPointers(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s)
+  TermPointers(const KernelComposeTerms<A>& c, const ComposeRow<A>& q, index_t s)
       : qw1(q.qw1.data()),
         qw2(q.qw2.data()),
         qdd(q.qdd.data()),
@@ -80,8 +80,8 @@ inline void compose_columns(index_t M, index_t ld, TermPointers<A> t, index_t j,
 /// MiB); asking for all M lines of the next row at once, before the call, would stall on the
 /// prefetch instructions themselves.
 template <class A, int RQ, int RK>
-void compose_chunk_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s, int n,
-                             const A* src, index_t src_hs, A* dst, index_t dst_hs,
+void compose_chunk_registers(const KernelComposeTerms<A>& c, const ComposeRow<A>& q, index_t s,
+                             int n, const A* src, index_t src_hs, A* dst, index_t dst_hs,
                              const A* in_scale, A* scratch, const A* next) {
   constexpr int L = Simd<A>::L;
   const index_t M = c.M, ld = c.ld;
@@ -115,11 +115,11 @@ void compose_chunk_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, in
 /// inputs (head stride next_hs, null for none), asked for a line per head as this row reaches the
 /// same columns (compose_chunk_registers).
 template <class A, int RQ, int RK>
-void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s,
-                                      int n, const A* a, index_t a_hs, const A* gp, index_t gp_hs,
-                                      A* g, index_t g_hs, ComposeRowGrads<A>& rg,
-                                      ComposeKeyGrads<A>& kg, A* dw, A* scratch, const A* next,
-                                      index_t next_hs) {
+void compose_chunk_backward_registers(const KernelComposeTerms<A>& c, const ComposeRow<A>& q,
+                                      index_t s, int n, const A* a, index_t a_hs, const A* out_grad,
+                                      index_t out_grad_hs, A* in_grad, index_t in_grad_hs,
+                                      ComposeRowGrads<A>& rg, ComposeKeyGrads<A>& kg, A* dw,
+                                      A* scratch, const A* next, index_t next_hs) {
   using V = typename Simd<A>::V;
   constexpr int L = Simd<A>::L;
   constexpr int RQ1 = RQ > 0 ? RQ : 1, RK1 = RK > 0 ? RK : 1;
@@ -141,7 +141,7 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
     V hq[RQ1] = {}, eq[RQ1] = {}, hk[RK1] = {}, ek[RK1] = {};
     for (index_t m = 0; m < M; ++m) {
       if (next) prefetch_bytes(next + m * next_hs + j, L * index_t(sizeof(A)));
-      const V av = vload(a + m * a_hs + j), gv = vload(gp + m * gp_hs + j);
+      const V av = vload(a + m * a_hs + j), gv = vload(out_grad + m * out_grad_hs + j);
       for (int r = 0; r < RQ; ++r) {
         hq[r] += av * qw1[r * M + m];
         eq[r] += gv * qw2[r * M + m];
@@ -151,9 +151,9 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
         ek[r] += gv * vload(k2 + (r * M + m) * ld + j);
       }
     }
-    // g may alias gp: block j of head m is read above and here before it is written.
+    // in_grad may alias out_grad: block j of head m is read above and here before it is written.
     for (index_t m = 0; m < M; ++m) {
-      const V av = vload(a + m * a_hs + j), gv = vload(gp + m * gp_hs + j);
+      const V av = vload(a + m * a_hs + j), gv = vload(out_grad + m * out_grad_hs + j);
       V out = gv * (A(1) + (RQ ? qdd[m] : A(0)));
       for (int r = 0; r < RQ; ++r) {
         A* l1 = lanes1 + (r * M + m) * L;
@@ -175,15 +175,15 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
         vstore(gd, vload(gd) + av * gv);
         out += gv * vload(kd + m * ld + j);
       }
-      vstore(g + m * g_hs + j, out);
+      vstore(in_grad + m * in_grad_hs + j, out);
     }
   }
   if (RQ && nb > 0) add_lane_sums(lanes1, (2 * RQ + 1) * M, rg.sums);
   const int j = nb * L;
   if (j < n) {
     if (next) prefetch_rows(next + j, M, next_hs, (n - j) * index_t(sizeof(A)));
-    compose_chunk_backward(c, q, s + j, n - j, a + j, a_hs, gp + j, gp_hs, g + j, g_hs, rg, kg, dw,
-                           scratch);
+    compose_chunk_backward(c, q, s + j, n - j, a + j, a_hs, out_grad + j, out_grad_hs, in_grad + j,
+                           in_grad_hs, rg, kg, dw, scratch);
   }
 }
 #endif
@@ -191,12 +191,12 @@ void compose_chunk_backward_registers(const ComposeSide<A>& c, const ComposeRow<
 /// compose_chunk_backward with the fastest path the side allows.
 template <class A>
 struct ComposeBackwardFn {
-  using Fn = void (*)(const ComposeSide<A>&, const ComposeRow<A>&, index_t, int, const A*, index_t,
-                      const A*, index_t, A*, index_t, ComposeRowGrads<A>&, ComposeKeyGrads<A>&, A*,
-                      A*, const A*, index_t);
+  using Fn = void (*)(const KernelComposeTerms<A>&, const ComposeRow<A>&, index_t, int, const A*,
+                      index_t, const A*, index_t, A*, index_t, ComposeRowGrads<A>&,
+                      ComposeKeyGrads<A>&, A*, A*, const A*, index_t);
   Fn fn = &generic;
 
-  explicit ComposeBackwardFn(const ComposeSide<A>& c) {
+  explicit ComposeBackwardFn(const KernelComposeTerms<A>& c) {
 #ifdef DCMHA_HAS_VECTOR_EXTENSIONS
     if (!c.has_w && c.Rq <= 3 && c.Rk <= 3) fn = table[c.Rq][c.Rk];
 #else
@@ -209,12 +209,13 @@ struct ComposeBackwardFn {
   }
 
  private:
-  static void generic(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s, int n, const A* a,
-                      index_t a_hs, const A* gp, index_t gp_hs, A* g, index_t g_hs,
-                      ComposeRowGrads<A>& rg, ComposeKeyGrads<A>& kg, A* dw, A* scratch,
-                      const A* next, index_t next_hs) {
+  static void generic(const KernelComposeTerms<A>& c, const ComposeRow<A>& q, index_t s, int n,
+                      const A* a, index_t a_hs, const A* out_grad, index_t out_grad_hs, A* in_grad,
+                      index_t in_grad_hs, ComposeRowGrads<A>& rg, ComposeKeyGrads<A>& kg, A* dw,
+                      A* scratch, const A* next, index_t next_hs) {
     if (next) prefetch_rows(next, c.M, next_hs, n * index_t(sizeof(A)));
-    compose_chunk_backward(c, q, s, n, a, a_hs, gp, gp_hs, g, g_hs, rg, kg, dw, scratch);
+    compose_chunk_backward(c, q, s, n, a, a_hs, out_grad, out_grad_hs, in_grad, in_grad_hs, rg, kg,
+                           dw, scratch);
   }
 #ifdef DCMHA_HAS_VECTOR_EXTENSIONS
   static constexpr Fn table[4][4] = {
@@ -233,24 +234,24 @@ struct ComposeBackwardFn {
 /// `next`: see compose_chunk_registers.
 template <class A>
 struct ComposeFn {
-  using Fn = void (*)(const ComposeSide<A>&, const ComposeRow<A>&, index_t, int, const A*, index_t,
-                      A*, index_t, const A*, A*, const A*);
+  using Fn = void (*)(const KernelComposeTerms<A>&, const ComposeRow<A>&, index_t, int, const A*,
+                      index_t, A*, index_t, const A*, A*, const A*);
   Fn fn = nullptr;
 
-  explicit ComposeFn(const ComposeSide<A>& c) {
+  explicit ComposeFn(const KernelComposeTerms<A>& c) {
 #ifdef DCMHA_HAS_VECTOR_EXTENSIONS
     if (!c.has_w && c.Rq <= 3 && c.Rk <= 3) fn = table[c.Rq][c.Rk];
 #endif
     if (!fn) fn = &generic;
   }
-  void operator()(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s, int n, const A* src,
-                  index_t src_hs, A* dst, index_t dst_hs, const A* in_scale, A* scratch,
-                  const A* next) const {
+  void operator()(const KernelComposeTerms<A>& c, const ComposeRow<A>& q, index_t s, int n,
+                  const A* src, index_t src_hs, A* dst, index_t dst_hs, const A* in_scale,
+                  A* scratch, const A* next) const {
     fn(c, q, s, n, src, src_hs, dst, dst_hs, in_scale, scratch, next);
   }
 
  private:
-  static void generic(const ComposeSide<A>& c, const ComposeRow<A>& q, index_t s, int n,
+  static void generic(const KernelComposeTerms<A>& c, const ComposeRow<A>& q, index_t s, int n,
                       const A* src, index_t src_hs, A* dst, index_t dst_hs, const A* in_scale,
                       A* scratch, const A* next) {
     if (next) prefetch_rows(next, c.M, src_hs, n * index_t(sizeof(A)));

@@ -58,10 +58,10 @@ inline A default_scale(double scale, index_t D) {
 /// would put every head of a row in its own page, so that Compose's loads would miss the cache,
 /// and later passes would read the panel back as M x Bq short streams.
 struct SlabLayout {
-  index_t tile = 0;   // keys per tile
-  index_t rs = 0;     // one slab row: M x tile values, padded
-  index_t slab = 0;   // Bq rows
-  index_t tiles = 0;  // slabs per rank
+  index_t tile = 0;        // keys per tile
+  index_t row_stride = 0;  // one slab row: M x tile values, padded
+  index_t slab = 0;        // Bq rows
+  index_t tiles = 0;       // slabs per rank
 
   /// Tiles of as many keys as keep `panels` slabs within `budget` bytes (32..256 keys), for
   /// blocks of Bq rows that see at most `max_keys` keys, split across `team_size` ranks.
@@ -70,15 +70,16 @@ struct SlabLayout {
                   int team_size) {
     const index_t fit = budget / index_t(sizeof(A)) / (panels * M * Bq);
     tile = std::max<index_t>(32, std::min<index_t>(256, fit / 32 * 32));
-    rs = padded_stride<A>(M * tile);  // off a power of two: the products write rows rs apart
-    slab = Bq * rs;
+    // off a power of two: the products write rows row_stride apart
+    row_stride = padded_stride<A>(M * tile);
+    slab = Bq * row_stride;
     // The most keys split_range gives one rank (shares are whole 16-key units).
     const index_t units = (max_keys + 15) / 16;
     tiles = ((units + team_size - 1) / team_size * 16 + tile - 1) / tile;
   }
   index_t panel_size(int team_size) const { return team_size * tiles * slab; }
-  /// Offset of rank `rank`'s slab of tile number t; row i of it at + i * rs, head m's keys at + m *
-  /// tile.
+  /// Offset of rank `rank`'s slab of tile number t; row i of it at + i * row_stride, head m's keys
+  /// at + m * tile.
   index_t slab_offset(int rank, index_t t) const { return (rank * tiles + t) * slab; }
 };
 
@@ -148,7 +149,7 @@ struct ForwardWorkspace : SlabLayout {
 /// Both sides' compose inputs of one (batch, group) in kernel layout; read-only once loaded.
 template <class A>
 struct ComposeSides {
-  ComposeSide<A> pre, post;
+  KernelComposeTerms<A> pre, post;
 
   template <class T>
   void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw, const KeyRing& ring) {
@@ -216,9 +217,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
                     const ComposeWeights<T>& cw, const KeyRing& ring) {
   const int tid = team.rank, nth = team.size;
   const index_t M = d.M, Dv = d.Dv, group_of_kv = d.H / d.Hk;
-  const index_t Bq = ws.Bq, tw = ws.tile, rs = ws.rs;
-  const ComposeSide<A>& pre = sides.pre;
-  const ComposeSide<A>& post = sides.post;
+  const index_t Bq = ws.Bq, keys_per_tile = ws.tile, row_stride = ws.row_stride;
+  const KernelComposeTerms<A>& pre = sides.pre;
+  const KernelComposeTerms<A>& post = sides.post;
   constexpr A kNegInf = -std::numeric_limits<A>::infinity();
 
   std::vector<ComposeRow<A>>& pre_rows = rows.pre;
@@ -244,7 +245,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     mask.live_rows(b, t0, t1, lo, hi);
     // Only rows [lo, hi) see keys and enter the products; the others' probabilities are set to
     // zero below and their output rows stay zero.
-    const index_t nl = std::max<index_t>(hi - lo, 0);
+    const index_t block_live_rows = std::max<index_t>(hi - lo, 0);
     index_t c0, c1;
     split_range(keys.begin, keys.end, tid, nth, 16, c0, c1);
     for (index_t i = 0; i < nr; ++i) {
@@ -260,13 +261,14 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     if constexpr (narrow)
       if (c1 > c0)
         for (index_t m = 0; m < M; ++m)
-          pack_rows<A>(nl, d.D, row_ptr(q, b, g * M + m, t0 + lo), q.stride[2],
+          pack_rows<A>(block_live_rows, d.D, row_ptr(q, b, g * M + m, t0 + lo), q.stride[2],
                        rows.q.data() + (m * Bq + lo) * d.D, d.D);
 
     // Pass 1: scores, Compose_pre, exponentials against the running maximum.
-    for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
-      const index_t ce = std::min(c1, cs + tw);
-      A* slab = ws.slab_of(tid, tile);  // slab[i * rs + m * tw + (s - cs)] holds key s
+    for (index_t cs = c0, tile = 0; cs < c1; cs += keys_per_tile, ++tile) {
+      const index_t ce = std::min(c1, cs + keys_per_tile);
+      // slab[i * row_stride + m * keys_per_tile + (s - cs)] holds key s
+      A* slab = ws.slab_of(tid, tile);
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
         const A* qm;
@@ -279,8 +281,9 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
           ldq = q.stride[2];
         }
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          gemm_abt<A>(nl, n, d.D, qm, ldq, row_ptr(k, b, h / group_of_kv, p), k.stride[2],
-                      slab + lo * rs + m * tw + (s - cs), rs, scale, kt,
+          gemm_abt<A>(block_live_rows, n, d.D, qm, ldq, row_ptr(k, b, h / group_of_kv, p),
+                      k.stride[2], slab + lo * row_stride + m * keys_per_tile + (s - cs),
+                      row_stride, scale, kt,
                       {next_rows(next_head(k, m, p), n, k.stride[2], d.D), {}});
         });
       }
@@ -289,11 +292,11 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
         for (index_t s = cs; s < ce; s += kChunk) {
           const int n = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
-            A* p = slab + i * rs + (s - cs);
+            A* p = slab + i * row_stride + (s - cs);
             // The products wrote the slab head by head, streaming Q and K past it: much of it has
             // left L2 by the time Compose reads it, so Compose asks for the next row as it goes.
-            pre_fn(pre, pre_rows[i], s, n, p, tw, p, tw, nullptr, scratch,
-                   i + 1 < hi ? p + rs : nullptr);
+            pre_fn(pre, pre_rows[i], s, n, p, keys_per_tile, p, keys_per_tile, nullptr, scratch,
+                   i + 1 < hi ? p + row_stride : nullptr);
           }
         }
       A* tmax = tile_max + tile * M * Bq;
@@ -301,7 +304,7 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
         const KeyRange r = mask.row(b, t0 + i);
         const index_t vb = std::max(r.begin, cs), ve = std::min(r.end, ce);
         for (index_t m = 0; m < M; ++m) {
-          A* row = slab + i * rs + m * tw - cs;  // row[s] holds key s
+          A* row = slab + i * row_stride + m * keys_per_tile - cs;  // row[s] holds key s
           A& mx = my_max[m * Bq + i];
           if (ve > vb) {
             Segment<A> e(row + vb, ve - vb);
@@ -341,8 +344,8 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
     // Pass 2: tile factors, Compose_post, P'V.
     auto out_rows = [&](index_t m) { return ws.o_part + (tid * M + m) * Bq * Dv; };
     std::fill(out_rows(0), out_rows(M), A(0));
-    for (index_t cs = c0, tile = 0; cs < c1; cs += tw, ++tile) {
-      const index_t ce = std::min(c1, cs + tw);
+    for (index_t cs = c0, tile = 0; cs < c1; cs += keys_per_tile, ++tile) {
+      const index_t ce = std::min(c1, cs + keys_per_tile);
       A* slab = ws.slab_of(tid, tile);
       const A* tmax = tile_max + tile * M * Bq;
       // One factor per row and head, vectorized over the block's rows and heads rather than a
@@ -357,23 +360,24 @@ void forward_blocks(const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& r
         for (index_t s = cs; s < ce; s += kChunk) {
           const int n = int(std::min<index_t>(kChunk, ce - s));
           for (index_t i = lo; i < hi; ++i) {
-            A* p = slab + i * rs + (s - cs);
+            A* p = slab + i * row_stride + (s - cs);
             // The slab was written in pass 1, long enough ago to have left the cache.
-            post_fn(post, post_rows[i], s, n, p, tw, p, tw, tile_scale + i * M, scratch,
-                    i + 1 < hi ? p + rs : nullptr);
+            post_fn(post, post_rows[i], s, n, p, keys_per_tile, p, keys_per_tile,
+                    tile_scale + i * M, scratch, i + 1 < hi ? p + row_stride : nullptr);
           }
         }
       } else {
         for (index_t i = 0; i < nr; ++i)
           for (index_t m = 0; m < M; ++m)
-            Segment<A>(slab + i * rs + m * tw, ce - cs) *= tile_scale[i * M + m];
+            Segment<A>(slab + i * row_stride + m * keys_per_tile, ce - cs) *= tile_scale[i * M + m];
       }
       for (index_t m = 0; m < M; ++m) {
         const index_t h = g * M + m;
         ring.runs(b, cs, ce, [&](index_t s, index_t p, index_t n) {
-          gemm_ab<A>(nl, Dv, n, slab + lo * rs + m * tw + (s - cs), rs, 1,
-                     row_ptr(v, b, h / group_of_kv, p), v.stride[2], out_rows(m) + lo * Dv, Dv,
-                     true, kt, A(1), {next_rows(next_head(v, m, p), n, v.stride[2], Dv), {}});
+          gemm_ab<A>(block_live_rows, Dv, n, slab + lo * row_stride + m * keys_per_tile + (s - cs),
+                     row_stride, 1, row_ptr(v, b, h / group_of_kv, p), v.stride[2],
+                     out_rows(m) + lo * Dv, Dv, true, kt, A(1),
+                     {next_rows(next_head(v, m, p), n, v.stride[2], Dv), {}});
         });
       }
     }

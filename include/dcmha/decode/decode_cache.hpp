@@ -301,7 +301,8 @@ class DecodeCache {
   void store_key_wise(const SideLayout& s, const ComposeTerms<T>& c, index_t b, index_t i,
                       index_t p) {
     // Kernel layout, [b][g][r][m][slot]: decode reads the keys of one (r, m) as a contiguous run
-    // in place (cpu::ComposeSide borrows it) instead of gathering every cached key every step.
+    // in place (cpu::KernelComposeTerms borrows it) instead of gathering every cached key every
+    // step.
     const index_t G = cfg_.G, R = cfg_.Rk, M = cfg_.H / G, cap = lay_.cap;
     T* w1 = data_ + s.kw1 + b * G * R * M * cap + p;
     T* w2 = data_ + s.kw2 + b * G * R * M * cap + p;

@@ -84,7 +84,7 @@ struct ComposeRefs {
 };
 
 template <class T>
-struct ComposeSide {
+struct NamedComposeTerms {
   const char* name;
   const ComposeTerms<T>& terms;
 };
@@ -116,8 +116,8 @@ index_t validate_compose(const char* fn, const ComposeWeights<T>& c, index_t H, 
   check_compose_presence(fn, "compose", "post", c.post, c.post);
 
   // Heads are mixed only inside a group, so every tensor on either side must agree on G.
-  const ComposeSide<T> sides[2] = {{"pre", c.pre}, {"post", c.post}};
-  for (const ComposeSide<T>& side : sides) {
+  const NamedComposeTerms<T> sides[2] = {{"pre", c.pre}, {"post", c.post}};
+  for (const NamedComposeTerms<T>& side : sides) {
     const char* side_name = side.name;
     for_each_compose_pair(
         side.terms, side.terms,
@@ -134,7 +134,7 @@ index_t validate_compose(const char* fn, const ComposeWeights<T>& c, index_t H, 
   if (refs.G.source.empty()) return H;  // compose off: every head is its own group
   refs.M = {H / refs.G.value, "H / G"};
 
-  for (const ComposeSide<T>& side : sides) {
+  for (const NamedComposeTerms<T>& side : sides) {
     const char* side_name = side.name;
     DimRef rq, rk;  // each low-rank pair shares its rank; the two pairs need not agree
     for_each_compose_pair(
@@ -170,7 +170,7 @@ void validate_compose_grads(const char* fn, const ComposeWeights<T>& c, const Co
                             std::vector<Footprint>& outputs) {
   check_compose_presence(fn, "dcompose", "pre", c.pre, g.pre);
   check_compose_presence(fn, "dcompose", "post", c.post, g.post);
-  const ComposeSide<T> sides[2] = {{"pre", c.pre}, {"post", c.post}};
+  const NamedComposeTerms<T> sides[2] = {{"pre", c.pre}, {"post", c.post}};
   const ComposeTermGrads<T>* grads[2] = {&g.pre, &g.post};
   for (int i = 0; i < 2; ++i) {
     const char* side_name = sides[i].name;

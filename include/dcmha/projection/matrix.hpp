@@ -62,14 +62,14 @@ inline bool collapse(const index_t* shape, const index_t* stride, int first, int
 /// Dims [0, split) as rows, [split, N) as columns, if that is a plain row-major layout.
 template <class U, int N>
 std::optional<MatRef<U>> as_matrix(const TensorView<U, N>& v, int split) {
-  index_t rows, rs, cols, cs;
-  if (!collapse(v.shape.data(), v.stride.data(), 0, split, rows, rs)) return std::nullopt;
-  if (!collapse(v.shape.data(), v.stride.data(), split, N, cols, cs)) return std::nullopt;
-  if (cols > 1 && cs != 1) return std::nullopt;
-  if (rows == 1) rs = cols;
+  index_t rows, row_stride, cols, col_stride;
+  if (!collapse(v.shape.data(), v.stride.data(), 0, split, rows, row_stride)) return std::nullopt;
+  if (!collapse(v.shape.data(), v.stride.data(), split, N, cols, col_stride)) return std::nullopt;
+  if (cols > 1 && col_stride != 1) return std::nullopt;
+  if (rows == 1) row_stride = cols;
   // Rows that run backwards or overlap one another are not a matrix Eigen can address.
-  if (rs < cols) return std::nullopt;
-  return MatRef<U>{v.data, rows, cols, rs};
+  if (row_stride < cols) return std::nullopt;
+  return MatRef<U>{v.data, rows, cols, row_stride};
 }
 
 /// Visits the elements of v in logical row-major order, with their running index.
