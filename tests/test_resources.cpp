@@ -480,8 +480,12 @@ void forward_broadcast_keys(index_t S, const char* expect_in_message) {
 }
 
 TEST(AllocationFailure, SizesBeyondMemoryAreRefused) {
-  // The panels would take terabytes: the allocation itself fails.
+  // The panels would take terabytes: the allocation itself fails. ThreadSanitizer's throwing
+  // operator new (LLVM 14) ends the process on a failed allocation instead of throwing, whatever
+  // allocator_may_return_null says; the other builds check this case.
+#ifndef DCMHA_TEST_TSAN
   forward_broadcast_keys(index_t(1) << 38, "dcmha::forward: out of memory");
+#endif
   // The sizes would overflow index_t: refused before any is computed.
   forward_broadcast_keys(index_t(1) << 56, "exceed the address space");
   forward_broadcast_keys(std::numeric_limits<index_t>::max(), "exceed the address space");
@@ -491,6 +495,8 @@ TEST(AllocationFailure, DecodeCacheTooLargeForMemory) {
   dcmha::DecodeCacheConfig cc;
   cc.H = cc.Hk = 1;
   cc.D = cc.Dv = 1024;
+// As in SizesBeyondMemoryAreRefused.
+#ifndef DCMHA_TEST_TSAN
   cc.capacity = index_t(1) << 40;  // 8 PiB of float
   try {
     dcmha::DecodeCache<float> cache(cc);
@@ -498,6 +504,7 @@ TEST(AllocationFailure, DecodeCacheTooLargeForMemory) {
   } catch (const dcmha::AllocationError& e) {
     EXPECT_EQ(std::string(e.what()).find("dcmha::DecodeCache: "), 0u) << e.what();
   }
+#endif
   cc.capacity = index_t(1) << 62;  // an element count that overflows: an argument error
   EXPECT_THROW(dcmha::DecodeCache<float>{cc}, dcmha::Error);
 }
