@@ -5,7 +5,7 @@
 #   bash scripts/test.sh
 #
 # Environment: BUILD_DIR (default build), JOBS (default: all cores), SANITIZERS (default "asan";
-# "asan tsan" adds ThreadSanitizer, about 27 minutes more on 2 cores; "" skips them),
+# "asan tsan" adds ThreadSanitizer, about 15 minutes more on 2 cores; "" skips them),
 # FUZZ_SECONDS (default 60; 0 skips the fuzzer).
 # Exits non-zero on the first failure.
 set -euo pipefail
