@@ -122,51 +122,66 @@ inline int64_t at_gate(const Problem& p, int64_t L, int64_t b, int64_t l, int64_
   return ((b * L + l) * p.G + g) * M + m;
 }
 
-/// Compose of the H values a[h] at one (b, t, s): spec section 1, term by term.
-inline std::vector<double> compose(const Problem& p, const ComposeSide& c, int64_t b, int64_t t,
-                                   int64_t s, const std::vector<double>& a) {
+/// The low-rank terms' projections of one group's heads ag at position l, sum_m ag[m] w1[r, m]
+/// for r < R: the same for every output head, so computed once per group.
+inline void lowrank_projections(const Problem& p, const std::vector<double>& w1, int64_t L,
+                                int64_t R, int64_t b, int64_t l, int64_t g, const double* ag,
+                                std::vector<double>& proj) {
+  proj.assign(R, 0.0);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t m = 0; m < M_of(p); ++m) proj[r] += ag[m] * w1[at_lowrank(p, L, R, b, l, g, r, m)];
+}
+
+/// Buffers the callers keep across positions, so that the loops allocate nothing (the sanitized
+/// suite's time is mostly this file).
+struct ComposeScratch {
+  std::vector<double> query_proj, key_proj;
+
+  void project(const Problem& p, const ComposeSide& c, int64_t b, int64_t t, int64_t s, int64_t g,
+               const double* ag) {
+    if (c.query_wise) lowrank_projections(p, c.qw1, p.T, c.Rq, b, t, g, ag, query_proj);
+    if (c.key_wise) lowrank_projections(p, c.kw1, p.S, c.Rk, b, s, g, ag, key_proj);
+  }
+};
+
+/// Compose of the H values a[h] at one (b, t, s) into y: spec section 1, term by term.
+inline void compose(const Problem& p, const ComposeSide& c, int64_t b, int64_t t, int64_t s,
+                    const std::vector<double>& a, std::vector<double>& y, ComposeScratch& scratch) {
   const int64_t M = M_of(p);
-  std::vector<double> y(a);  // residual
+  y = a;  // residual
   for (int64_t g = 0; g < p.G; ++g) {
     const double* ag = &a[g * M];
     double* yg = &y[g * M];
+    scratch.project(p, c, b, t, s, g, ag);
     for (int64_t n = 0; n < M; ++n) {
       if (c.static_w)
         for (int64_t m = 0; m < M; ++m) yg[n] += ag[m] * c.w[at_w(p, g, m, n)];
       if (c.query_wise) {
-        for (int64_t r = 0; r < c.Rq; ++r) {
-          double proj = 0;
-          for (int64_t m = 0; m < M; ++m)
-            proj += ag[m] * c.qw1[at_lowrank(p, p.T, c.Rq, b, t, g, r, m)];
-          yg[n] += proj * c.qw2[at_lowrank(p, p.T, c.Rq, b, t, g, r, n)];
-        }
+        for (int64_t r = 0; r < c.Rq; ++r)
+          yg[n] += scratch.query_proj[r] * c.qw2[at_lowrank(p, p.T, c.Rq, b, t, g, r, n)];
         yg[n] += ag[n] * c.qdd[at_gate(p, p.T, b, t, g, n)];
       }
       if (c.key_wise) {
-        for (int64_t r = 0; r < c.Rk; ++r) {
-          double proj = 0;
-          for (int64_t m = 0; m < M; ++m)
-            proj += ag[m] * c.kw1[at_lowrank(p, p.S, c.Rk, b, s, g, r, m)];
-          yg[n] += proj * c.kw2[at_lowrank(p, p.S, c.Rk, b, s, g, r, n)];
-        }
+        for (int64_t r = 0; r < c.Rk; ++r)
+          yg[n] += scratch.key_proj[r] * c.kw2[at_lowrank(p, p.S, c.Rk, b, s, g, r, n)];
         yg[n] += ag[n] * c.kdd[at_gate(p, p.S, b, s, g, n)];
       }
     }
   }
-  return y;
 }
 
-/// Backward of compose() at one (b, t, s): returns d(a) for upstream dy and accumulates the
-/// gradients of the side's weights into dc.
-inline std::vector<double> compose_backward(const Problem& p, const ComposeSide& c, int64_t b,
-                                            int64_t t, int64_t s, const std::vector<double>& a,
-                                            const std::vector<double>& dy, ComposeSide& dc) {
+/// Backward of compose() at one (b, t, s): d(a) for upstream dy into da, and the gradients of
+/// the side's weights accumulated into dc.
+inline void compose_backward(const Problem& p, const ComposeSide& c, int64_t b, int64_t t,
+                             int64_t s, const std::vector<double>& a, const std::vector<double>& dy,
+                             ComposeSide& dc, std::vector<double>& da, ComposeScratch& scratch) {
   const int64_t M = M_of(p);
-  std::vector<double> da(dy);  // residual
+  da = dy;  // residual
   for (int64_t g = 0; g < p.G; ++g) {
     const double* ag = &a[g * M];
     const double* dyg = &dy[g * M];
     double* dag = &da[g * M];
+    scratch.project(p, c, b, t, s, g, ag);
     for (int64_t n = 0; n < M; ++n) {
       if (c.static_w)
         for (int64_t m = 0; m < M; ++m) {
@@ -175,11 +190,8 @@ inline std::vector<double> compose_backward(const Problem& p, const ComposeSide&
         }
       if (c.query_wise) {
         for (int64_t r = 0; r < c.Rq; ++r) {
-          double proj = 0;
-          for (int64_t m = 0; m < M; ++m)
-            proj += ag[m] * c.qw1[at_lowrank(p, p.T, c.Rq, b, t, g, r, m)];
           const double w2 = c.qw2[at_lowrank(p, p.T, c.Rq, b, t, g, r, n)];
-          dc.qw2[at_lowrank(p, p.T, c.Rq, b, t, g, r, n)] += proj * dyg[n];
+          dc.qw2[at_lowrank(p, p.T, c.Rq, b, t, g, r, n)] += scratch.query_proj[r] * dyg[n];
           for (int64_t m = 0; m < M; ++m) {
             dag[m] += c.qw1[at_lowrank(p, p.T, c.Rq, b, t, g, r, m)] * w2 * dyg[n];
             dc.qw1[at_lowrank(p, p.T, c.Rq, b, t, g, r, m)] += ag[m] * w2 * dyg[n];
@@ -190,11 +202,8 @@ inline std::vector<double> compose_backward(const Problem& p, const ComposeSide&
       }
       if (c.key_wise) {
         for (int64_t r = 0; r < c.Rk; ++r) {
-          double proj = 0;
-          for (int64_t m = 0; m < M; ++m)
-            proj += ag[m] * c.kw1[at_lowrank(p, p.S, c.Rk, b, s, g, r, m)];
           const double w2 = c.kw2[at_lowrank(p, p.S, c.Rk, b, s, g, r, n)];
-          dc.kw2[at_lowrank(p, p.S, c.Rk, b, s, g, r, n)] += proj * dyg[n];
+          dc.kw2[at_lowrank(p, p.S, c.Rk, b, s, g, r, n)] += scratch.key_proj[r] * dyg[n];
           for (int64_t m = 0; m < M; ++m) {
             dag[m] += c.kw1[at_lowrank(p, p.S, c.Rk, b, s, g, r, m)] * w2 * dyg[n];
             dc.kw1[at_lowrank(p, p.S, c.Rk, b, s, g, r, m)] += ag[m] * w2 * dyg[n];
@@ -205,7 +214,6 @@ inline std::vector<double> compose_backward(const Problem& p, const ComposeSide&
       }
     }
   }
-  return da;
 }
 
 /// Zero gradients with the shapes and switches of c.
@@ -239,11 +247,46 @@ inline int64_t at_bhts(const Problem& p, int64_t b, int64_t h, int64_t t, int64_
   return at_bhtx(p.H, p.T, p.S, b, h, t, s);
 }
 
-inline std::vector<double> heads_at(const Problem& p, const std::vector<double>& x, int64_t b,
-                                    int64_t t, int64_t s) {
-  std::vector<double> a(p.H);
+/// The H values of x at (b, t, s) into a.
+inline void heads_at(const Problem& p, const std::vector<double>& x, int64_t b, int64_t t,
+                     int64_t s, std::vector<double>& a) {
+  a.resize(p.H);
   for (int64_t h = 0; h < p.H; ++h) a[h] = x[at_bhts(p, b, h, t, s)];
-  return a;
+}
+
+/// x' = Compose(x) at every (b, t, s) (a copy where the side is off).
+inline std::vector<double> compose_all(const Problem& p, const ComposeSide& c,
+                                       const std::vector<double>& x) {
+  if (!c.enabled()) return x;
+  std::vector<double> out(x.size()), a, y;
+  ComposeScratch scratch;
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t t = 0; t < p.T; ++t)
+      for (int64_t s = 0; s < p.S; ++s) {
+        heads_at(p, x, b, t, s, a);
+        compose(p, c, b, t, s, a, y, scratch);
+        for (int64_t h = 0; h < p.H; ++h) out[at_bhts(p, b, h, t, s)] = y[h];
+      }
+  return out;
+}
+
+/// dx = d(x)/d(Compose(x)) applied to dy at every (b, t, s); dc accumulates the side's weight
+/// gradients (dy itself where the side is off).
+inline std::vector<double> compose_all_backward(const Problem& p, const ComposeSide& c,
+                                                const std::vector<double>& x,
+                                                const std::vector<double>& dy, ComposeSide& dc) {
+  if (!c.enabled()) return dy;
+  std::vector<double> dx(dy.size()), a, g, da;
+  ComposeScratch scratch;
+  for (int64_t b = 0; b < p.B; ++b)
+    for (int64_t t = 0; t < p.T; ++t)
+      for (int64_t s = 0; s < p.S; ++s) {
+        heads_at(p, x, b, t, s, a);
+        heads_at(p, dy, b, t, s, g);
+        compose_backward(p, c, b, t, s, a, g, dc, da, scratch);
+        for (int64_t h = 0; h < p.H; ++h) dx[at_bhts(p, b, h, t, s)] = da[h];
+      }
+  return dx;
 }
 
 inline Intermediates forward_intermediates(const Problem& p) {
@@ -252,9 +295,7 @@ inline Intermediates forward_intermediates(const Problem& p) {
   const int64_t n = p.B * p.H * p.T * p.S;
   Intermediates it;
   it.L.assign(n, 0.0);
-  it.Lc.assign(n, 0.0);
   it.P.assign(n, 0.0);
-  it.Pc.assign(n, 0.0);
 
   // 1. L = scale * Q K^T
   for (int64_t b = 0; b < p.B; ++b)
@@ -269,13 +310,7 @@ inline Intermediates forward_intermediates(const Problem& p) {
         }
 
   // 2. L' = Compose_pre(L), across heads at each (b, t, s)
-  for (int64_t b = 0; b < p.B; ++b)
-    for (int64_t t = 0; t < p.T; ++t)
-      for (int64_t s = 0; s < p.S; ++s) {
-        std::vector<double> a = heads_at(p, it.L, b, t, s);
-        if (p.pre.enabled()) a = compose(p, p.pre, b, t, s, a);
-        for (int64_t h = 0; h < p.H; ++h) it.Lc[at_bhts(p, b, h, t, s)] = a[h];
-      }
+  it.Lc = compose_all(p, p.pre, it.L);
 
   // 3-4. mask, P = softmax over the visible keys; a row with none stays all zero
   for (int64_t b = 0; b < p.B; ++b)
@@ -294,13 +329,7 @@ inline Intermediates forward_intermediates(const Problem& p) {
       }
 
   // 5. P' = Compose_post(P)
-  for (int64_t b = 0; b < p.B; ++b)
-    for (int64_t t = 0; t < p.T; ++t)
-      for (int64_t s = 0; s < p.S; ++s) {
-        std::vector<double> a = heads_at(p, it.P, b, t, s);
-        if (p.post.enabled()) a = compose(p, p.post, b, t, s, a);
-        for (int64_t h = 0; h < p.H; ++h) it.Pc[at_bhts(p, b, h, t, s)] = a[h];
-      }
+  it.Pc = compose_all(p, p.post, it.P);
   return it;
 }
 
@@ -347,15 +376,7 @@ inline Gradients gradients(const Problem& p, const Intermediates& it,
           }
 
   // 5. P' = Compose_post(P)
-  std::vector<double> dP(dPc);
-  if (p.post.enabled())
-    for (int64_t b = 0; b < p.B; ++b)
-      for (int64_t t = 0; t < p.T; ++t)
-        for (int64_t s = 0; s < p.S; ++s) {
-          const std::vector<double> da = compose_backward(
-              p, p.post, b, t, s, heads_at(p, it.P, b, t, s), heads_at(p, dPc, b, t, s), g.dpost);
-          for (int64_t h = 0; h < p.H; ++h) dP[at_bhts(p, b, h, t, s)] = da[h];
-        }
+  const std::vector<double> dP = compose_all_backward(p, p.post, it.P, dPc, g.dpost);
 
   // 3-4. softmax: dL' = P * (dP - sum_s P dP); masked keys have P = 0 and get nothing
   std::vector<double> dLc(n, 0.0);
@@ -372,15 +393,7 @@ inline Gradients gradients(const Problem& p, const Intermediates& it,
       }
 
   // 2. L' = Compose_pre(L)
-  std::vector<double> dL(dLc);
-  if (p.pre.enabled())
-    for (int64_t b = 0; b < p.B; ++b)
-      for (int64_t t = 0; t < p.T; ++t)
-        for (int64_t s = 0; s < p.S; ++s) {
-          const std::vector<double> da = compose_backward(
-              p, p.pre, b, t, s, heads_at(p, it.L, b, t, s), heads_at(p, dLc, b, t, s), g.dpre);
-          for (int64_t h = 0; h < p.H; ++h) dL[at_bhts(p, b, h, t, s)] = da[h];
-        }
+  const std::vector<double> dL = compose_all_backward(p, p.pre, it.L, dLc, g.dpre);
 
   // 1. L = scale * Q K^T
   for (int64_t b = 0; b < p.B; ++b)
