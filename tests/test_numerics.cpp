@@ -214,8 +214,8 @@ void check_large_scores(const Problem& p, const std::vector<double>& dout,
                " threads=" + std::to_string(threads));
   const std::vector<NamedResult> got = run_all<T>(p, dout, threads);
   for (const NamedResult& r : got) EXPECT_TRUE(dt::all_finite(r.values)) << r.name;
-  const double max_score =
-      max_abs_finite(exact[1].values);  // lse: the row's largest score + log(sum)
+  // lse: the row's largest score + log(sum)
+  const double max_score = max_abs_finite(exact[1].values);
   expect_close(exact, got, tolerance<T>(), lse_tolerance<T>(),
                tolerance<T>() + large_score_gradient_slack<T>(max_score), &worst);
 }

@@ -40,8 +40,8 @@ inline void nn_block(index_t depth, const A* a, index_t ars, index_t acs, const 
     V bv[CB];
     for (int j = 0; j < CB; ++j) bv[j] = vload(b + k * ldb + j * L);
     for (int r = 0; r < RB; ++r) {
-      const V av =
-          a[r * ars + k * acs] - V{};  // a broadcast (x - 0 is exact, so no add is emitted)
+      // a broadcast (x - 0 is exact, so no add is emitted)
+      const V av = a[r * ars + k * acs] - V{};
       for (int j = 0; j < CB; ++j) acc[r][j] += av * bv[j];
     }
   }

@@ -45,8 +45,8 @@ struct DecodeCacheConfig {
   /// Global layers: the most tokens one sequence may hold (>= 1). Local layers: must be 0, the
   /// ring size W + max_step - 1 is derived.
   index_t capacity = 0;
-  index_t window =
-      0;  ///< 0: global layer; W > 0: sliding window of W keys (cfg.window of the layer)
+  /// 0: global layer; W > 0: sliding window of W keys (cfg.window of the layer)
+  index_t window = 0;
   index_t max_step = 1;  ///< most tokens one append() may add per sequence (>= 1)
 };
 
