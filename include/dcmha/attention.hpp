@@ -16,8 +16,8 @@
 // the kernels' buffers are then kept in it between calls instead of allocated per call.
 #include "compose_weights.hpp"
 #include "config.hpp"
-#include "cpu/backward.hpp"
-#include "cpu/forward.hpp"
+#include "cpu/backward_launch.hpp"
+#include "cpu/forward_launch.hpp"
 #include "detail/validate.hpp"
 #include "error.hpp"
 #include "tensor.hpp"
@@ -32,10 +32,9 @@ void forward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorVi
                   const ComposeWeights<T>& compose, Workspace* workspace) {
   const char* fn = "dcmha::forward";
   with_allocation_errors(fn, [&] {  // validation allocates too (names in messages)
-    const AttentionDims dims = validate_forward(fn, cfg, q, k, v, out, lse, compose);
-    check_kernel_sizes(dims, compose, cpu::thread_count(cfg.num_threads));
+    const ForwardParams<T> params = forward_params(fn, cfg, q, k, v, out, lse, compose);
     WorkspaceAccess::CallMemory mem(fn, workspace);
-    cpu::forward(cfg, dims, q, k, v, out, lse, compose, mem.get());
+    cpu::forward(params, mem.get());
   });
 }
 
@@ -47,11 +46,10 @@ void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorV
                    const ComposeGrads<T>& dcompose, Workspace* workspace) {
   const char* fn = "dcmha::backward";
   with_allocation_errors(fn, [&] {
-    const AttentionDims dims =
-        validate_backward(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
-    check_kernel_sizes(dims, compose, cpu::thread_count(cfg.num_threads));
+    const BackwardParams<T> params =
+        backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
     WorkspaceAccess::CallMemory mem(fn, workspace);
-    cpu::backward(cfg, dims, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, mem.get());
+    cpu::backward(params, mem.get());
   });
 }
 }  // namespace detail

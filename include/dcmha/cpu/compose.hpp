@@ -21,6 +21,17 @@ namespace dcmha::cpu {
 /// vectors stay in L1 while the chunk is applied to every row of a query block.
 constexpr int kChunk = 32;
 
+/// Calls f(s, n, i) for each chunk [s, s + n) of keys [cs, ce), kChunk keys at a time, and each
+/// row i of [lo, hi): chunks outer, so that a chunk's key-wise terms stay in L1 while every row
+/// of a query block uses them. The loop every Compose pass of the kernels runs.
+template <class F>
+inline void for_each_row_chunk(index_t cs, index_t ce, index_t lo, index_t hi, F&& f) {
+  for (index_t s = cs; s < ce; s += kChunk) {
+    const int n = int(std::min<index_t>(kChunk, ce - s));
+    for (index_t i = lo; i < hi; ++i) f(s, n, i);
+  }
+}
+
 /// Bytes per vector of the register-blocked kernels (compose_simd.hpp, gemm.hpp): the widest the
 /// compiler was told it may use, so no vector crosses a function boundary in a wider ABI than
 /// enabled. DCMHA_VECTOR_BYTES overrides it for testing: 64 on an AVX2 machine runs the code

@@ -292,18 +292,26 @@ void gemm_abt(index_t rows, index_t n, index_t depth, const A* a, index_t lda, c
   gemm_nn<A>(rows, n, depth, a, lda, 1, buf, n, c, ldc, false, next);
 }
 
+/// Rows of a matrix in memory: row i at data + i * ld, its values contiguous.
+template <class S>
+struct MatrixRows {
+  S* data = nullptr;
+  index_t ld = 0;
+};
+
 /// C (+)= A (alpha B), B's `depth` rows of ncol values copied contiguous into `buf` (depth x ncol)
 /// first unless too few rows would read them (then read in place when alpha is 1 and B is not
 /// narrower storage than A). `next`: see gemm_nn.
 template <class A, class S>
-void gemm_ab(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
-             const S* b, index_t ldb, A* c, index_t ldc, bool accumulate, A* buf, A alpha = A(1),
-             const NextReads& next = {}) {
+void gemm_ab(index_t rows, index_t ncol, index_t depth, MatrixRows<const A> a,
+             MatrixRows<const S> b, MatrixRows<A> c, bool accumulate, A* buf, A alpha,
+             const NextReads& next) {
   if constexpr (std::is_same_v<S, A>)
     if (rows < kPackMinRows && alpha == A(1))
-      return gemm_nn<A>(rows, ncol, depth, a, ars, acs, b, ldb, c, ldc, accumulate, next);
-  pack_rows<A>(depth, ncol, b, ldb, buf, ncol, alpha);
-  gemm_nn<A>(rows, ncol, depth, a, ars, acs, buf, ncol, c, ldc, accumulate, next);
+      return gemm_nn<A>(rows, ncol, depth, a.data, a.ld, 1, b.data, b.ld, c.data, c.ld, accumulate,
+                        next);
+  pack_rows<A>(depth, ncol, b.data, b.ld, buf, ncol, alpha);
+  gemm_nn<A>(rows, ncol, depth, a.data, a.ld, 1, buf, ncol, c.data, c.ld, accumulate, next);
 }
 
 }  // namespace dcmha::cpu

@@ -6,7 +6,7 @@
 // test (t, s) pairs one by one; they iterate [begin, end) and treat everything else as exactly 0.
 #include <algorithm>
 
-#include "../config.hpp"
+#include "../params.hpp"
 #include "../tensor.hpp"
 
 namespace dcmha::cpu {
@@ -23,13 +23,13 @@ struct RowMask {
   index_t T = 0, S = 0;
   TensorView<const index_t, 1> query_lengths, key_lengths;
 
-  RowMask(const AttentionConfig& cfg, index_t T_, index_t S_)
-      : causal(cfg.mask == Mask::causal),
-        window(cfg.window),
+  RowMask(const detail::MaskParams& mask, index_t T_, index_t S_)
+      : causal(mask.causal),
+        window(mask.window),
         T(T_),
         S(S_),
-        query_lengths(cfg.query_lengths),
-        key_lengths(cfg.key_lengths) {}
+        query_lengths(mask.query_lengths),
+        key_lengths(mask.key_lengths) {}
 
   KeyRange row(index_t b, index_t t) const {
     const index_t Tb = query_lengths.empty() ? T : query_lengths(b);
@@ -81,26 +81,6 @@ struct RowMask {
 
 namespace dcmha::cpu {
 
-/// Where logical key s of sequence b is stored: slot (start[b] + s) mod capacity of a ring
-/// buffer (the decode cache of a sliding-window layer), or slot s when capacity is 0. Masks and
-/// panels work in logical positions; only the loads of K, V and key-wise terms go through this.
-struct KeyRing {
-  index_t capacity = 0;
-  TensorView<const index_t, 1> start;
-
-  index_t slot(index_t b, index_t s) const { return capacity ? (start(b) + s) % capacity : s; }
-
-  /// Calls f(logical_begin, slot_begin, count) for each run of consecutive slots covering
-  /// logical keys [s0, s1): one run, or two where the ring wraps.
-  template <class F>
-  void runs(index_t b, index_t s0, index_t s1, F&& f) const {
-    for (index_t s = s0; s < s1;) {
-      const index_t p = slot(b, s);
-      const index_t n = capacity ? std::min(s1 - s, capacity - p) : s1 - s;
-      f(s, p, n);
-      s += n;
-    }
-  }
-};
+using detail::KeyRing;
 
 }  // namespace dcmha::cpu

@@ -160,12 +160,6 @@ class TileQueue {
   std::vector<std::atomic<std::uint64_t>> runs_;
 };
 
-/// Whether to give each thread whole (batch, group) items instead of splitting every item's keys
-/// across the team: when there are enough items to keep all threads busy with even shares.
-inline bool independent_items(index_t items, int threads) {
-  return threads == 1 || items % threads == 0 || items >= 4 * index_t(threads);
-}
-
 /// out[b, h0 + m, t0 + i, :] = the sum over team ranks j, in rank order, of
 /// parts[((j * M + m) * rows_cap + i) * width + e]: the partial products of a key-split team, or
 /// one thread's staged rows. Each thread writes a share of the rows, so the result is

@@ -28,7 +28,7 @@
 
 #include "../compose_weights.hpp"
 #include "../config.hpp"
-#include "../cpu/forward.hpp"
+#include "../cpu/forward_launch.hpp"
 #include "../detail/validate.hpp"
 #include "../dynamic_weights.hpp"
 #include "../error.hpp"
@@ -159,11 +159,10 @@ void decode_step(const char* fn, const AttentionConfig& cfg, TensorView<const T,
   const TensorView<const T, 4> k = first_keys(cache.k_slots(), 2);
   const TensorView<const T, 4> v = first_keys(cache.v_slots(), 2);
 
-  const AttentionDims dims = validate_forward<T>(fn, c2, q_new, k, v, out, {}, cw);
-  cpu::KeyRing ring;
-  if (cache.local()) ring = {cap, view<1>(static_cast<const index_t*>(start.data()), {B})};
+  ForwardParams<T> params = forward_params<T>(fn, c2, q_new, k, v, out, {}, cw);
+  if (cache.local()) params.keys = {cap, view<1>(static_cast<const index_t*>(start.data()), {B})};
   WorkspaceAccess::CallMemory mem(fn, workspace);
-  cpu::forward(c2, dims, q_new, k, v, out, TensorView<acc_t<T>, 3>{}, cw, mem.get(), ring);
+  cpu::forward(params, mem.get());
 }
 
 template <class T>

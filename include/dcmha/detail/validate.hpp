@@ -14,6 +14,7 @@
 #include "../compose_weights.hpp"
 #include "../config.hpp"
 #include "../error.hpp"
+#include "../params.hpp"
 #include "../tensor.hpp"
 #include "checks.hpp"
 #include "dims.hpp"
@@ -178,34 +179,61 @@ AttentionDims validate_backward(const char* fn, const AttentionConfig& cfg,
   return d;
 }
 
-/// The kernels size their buffers by products of the problem's dims, and broadcast (zero-stride)
-/// inputs let a caller pass dims no memory could hold. Before any size is computed: an upper
-/// bound of all of them, with overflow checks, must fit comfortably in index_t; if it does not,
-/// no allocation could succeed anyway, and the call fails as out of memory.
+/// The applied score scale: the config's, or 1/sqrt(D) for its default (<= 0).
+template <class A>
+A resolved_scale(double scale, index_t D) {
+  return scale > 0 ? A(scale) : A(1) / std::sqrt(A(D));
+}
+
+inline MaskParams mask_params(const AttentionConfig& cfg) {
+  return {cfg.mask == Mask::causal, cfg.window, cfg.query_lengths, cfg.key_lengths};
+}
+
+/// validate_forward, then the backend's parameters of the call.
 template <class T>
-void check_kernel_sizes(const AttentionDims& d, const ComposeWeights<T>& cw, int threads) {
-  constexpr index_t lim = std::numeric_limits<index_t>::max() / 64;
-  index_t rank = 0;
-  for (const ComposeTerms<T>* c : {&cw.pre, &cw.post}) {
-    if (c->query_wise) rank = std::max(rank, c->qw1.shape[3]);
-    if (c->key_wise) rank = std::max(rank, c->kw1.shape[3]);
-  }
-  auto sum = [](std::initializer_list<index_t> xs) {  // saturates at lim + 1 (every x >= 0)
-    index_t total = 0;
-    for (index_t x : xs) total = x > lim - total ? lim + 1 : total + x;
-    return total;
-  };
-  // Keys or rows per thread's panel, heads, values per (row, key) and per row, 16 bytes each.
-  const index_t factors[] = {sum({d.S, d.T, 1024 * (index_t(threads) + 1)}), sum({d.H, 1}),
-                             sum({d.D, d.Dv, rank, rank, rank, rank, 2048}), 16};
-  index_t bound = 1;
-  for (index_t f : factors) {
-    if (f > lim / bound)
-      throw AllocationError(concat("the kernels' working buffers for H = ", d.H, ", T = ", d.T,
-                                   ", S = ", d.S, ", D = ", d.D, ", Dv = ", d.Dv, ", rank ", rank,
-                                   " and ", threads, " threads exceed the address space"));
-    bound *= f;
-  }
+ForwardParams<T> forward_params(const char* fn, const AttentionConfig& cfg,
+                                TensorView<const T, 4> q, TensorView<const T, 4> k,
+                                TensorView<const T, 4> v, TensorView<T, 4> out,
+                                TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& compose) {
+  ForwardParams<T> p;
+  p.dims = validate_forward(fn, cfg, q, k, v, out, lse, compose);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = out;
+  p.lse = lse;
+  p.compose = compose;
+  p.mask = mask_params(cfg);
+  p.scale = resolved_scale<acc_t<T>>(cfg.scale, p.dims.D);
+  p.num_threads = cfg.num_threads;
+  return p;
+}
+
+/// validate_backward, then the backend's parameters of the call.
+template <class T>
+BackwardParams<T> backward_params(const char* fn, const AttentionConfig& cfg,
+                                  TensorView<const T, 4> q, TensorView<const T, 4> k,
+                                  TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
+                                  TensorView<const T, 4> dout, TensorView<T, 4> dq,
+                                  TensorView<T, 4> dk, TensorView<T, 4> dv,
+                                  const ComposeWeights<T>& compose,
+                                  const ComposeGrads<T>& dcompose) {
+  BackwardParams<T> p;
+  p.dims = validate_backward(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.lse = lse;
+  p.dout = dout;
+  p.dq = dq;
+  p.dk = dk;
+  p.dv = dv;
+  p.compose = compose;
+  p.dcompose = dcompose;
+  p.mask = mask_params(cfg);
+  p.scale = resolved_scale<acc_t<T>>(cfg.scale, p.dims.D);
+  p.num_threads = cfg.num_threads;
+  return p;
 }
 
 }  // namespace dcmha::detail
