@@ -97,6 +97,19 @@ struct DynamicWeightsStorage {
   }
 };
 
+namespace detail {
+/// The six low-rank and gate views of one side, from the projection's outputs (or gradients).
+template <class Terms, class Side>
+void set_side_views(Terms& c, const Side& s) {
+  c.qw1 = s.qw1;
+  c.qw2 = s.qw2;
+  c.qdd = s.qdd;
+  c.kw1 = s.kw1;
+  c.kw2 = s.kw2;
+  c.kdd = s.kdd;
+}
+}  // namespace detail
+
 /// Self-attention compose weights from a projection's output (queries and keys are the same
 /// positions): query- and key-wise terms on, static terms on where a W (G, M, M) is given.
 template <class U, class T = std::remove_const_t<U>>
@@ -108,12 +121,7 @@ inline ComposeWeights<T> compose_weights(const DynamicWeights<U>& dw,
     c.static_w = !w.empty();
     c.query_wise = c.key_wise = true;
     c.w = w;
-    c.qw1 = s.qw1;
-    c.qw2 = s.qw2;
-    c.qdd = s.qdd;
-    c.kw1 = s.kw1;
-    c.kw2 = s.kw2;
-    c.kdd = s.kdd;
+    detail::set_side_views(c, s);
     return c;
   };
   return {side(dw.pre, pre_w), side(dw.post, post_w)};
@@ -127,12 +135,7 @@ inline ComposeGrads<T> compose_grads(const DynamicWeights<T>& g, TensorView<T, 3
   auto side = [](const DynamicWeightsSide<T>& s, TensorView<T, 3> w) {
     ComposeTermGrads<T> c;
     c.w = w;
-    c.qw1 = s.qw1;
-    c.qw2 = s.qw2;
-    c.qdd = s.qdd;
-    c.kw1 = s.kw1;
-    c.kw2 = s.kw2;
-    c.kdd = s.kdd;
+    detail::set_side_views(c, s);
     return c;
   };
   return {side(g.pre, pre_w), side(g.post, post_w)};

@@ -3,6 +3,7 @@
 // (detail/validate.hpp), in the manner of FlashAttention's Flash_fwd_params. The CPU backend
 // (cpu/) takes these and nothing else; a CUDA backend takes the same structs.
 //
+//   QkvParams       what both share: dims, q, k, v, compose inputs, mask, scale, threads
 //   ForwardParams   forward(), and decode(): a decode step is a forward whose keys are the
 //                   cache's slots (`keys`, a ring for sliding-window layers) and whose
 //                   per-sequence lengths are the step's token counts and the kept keys
@@ -47,31 +48,30 @@ struct KeyRing {
   }
 };
 
+/// What forward and backward share: the problem, its inputs and how to attend.
 template <class T>
-struct ForwardParams {
+struct QkvParams {
   AttentionDims dims;
   TensorView<const T, 4> q, k, v;  // (B, H, T, D), (B, Hk, S, D), (B, Hk, S, Dv)
-  TensorView<T, 4> out;            // (B, H, T, Dv)
-  TensorView<acc_t<T>, 3> lse;     // (B, H, T), or empty: not kept (inference)
   ComposeWeights<T> compose;       // both sides off: MHA
   MaskParams mask;
   acc_t<T> scale = 0;   // the applied score scale (the config's default resolved)
-  KeyRing keys;         // capacity 0 outside decode
   int num_threads = 0;  // the caller's request; 0 = all
 };
 
 template <class T>
-struct BackwardParams {
-  AttentionDims dims;
-  TensorView<const T, 4> q, k, v;
+struct ForwardParams : QkvParams<T> {
+  TensorView<T, 4> out;         // (B, H, T, Dv)
+  TensorView<acc_t<T>, 3> lse;  // (B, H, T), or empty: not kept (inference)
+  KeyRing keys;                 // capacity 0 outside decode
+};
+
+template <class T>
+struct BackwardParams : QkvParams<T> {
   TensorView<const acc_t<T>, 3> lse;  // the forward's statistics
   TensorView<const T, 4> dout;
   TensorView<T, 4> dq, dk, dv;  // overwritten
-  ComposeWeights<T> compose;
-  ComposeGrads<T> dcompose;  // the switched-on terms' gradients, overwritten
-  MaskParams mask;
-  acc_t<T> scale = 0;
-  int num_threads = 0;
+  ComposeGrads<T> dcompose;     // the switched-on terms' gradients, overwritten
 };
 
 }  // namespace dcmha::detail

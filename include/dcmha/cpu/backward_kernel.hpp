@@ -489,14 +489,36 @@ class BackwardKernel {
 
   /// dP = Compose_post^T(dP') in place, with the post side's weight gradients.
   void compose_post_backward(const BackwardBlock& block, const BackwardTile<A>& tile, A* dw) {
-    const index_t row_stride = ws_.row_stride, hi = block.hi;
+    // dP', written by the tile's first products, is the row asked for ahead.
+    compose_backward(ws_.post, post_bwd_, ComposeStage::post, buf_.post_rows, ws_.post_kg, block,
+                     tile, {tile.probs_slab, tile.grads_slab}, dw);
+  }
+
+  /// Compose's input slab (P for post, L for pre), and the slab whose next row is asked for ahead.
+  struct TransposeSlabs {
+    const A* inputs;
+    const A* ahead;
+  };
+
+  /// The transpose of one side's Compose on the tile, in place in the grads slab.
+  void compose_backward(const KernelComposeTerms<A>& side, const ComposeBackwardFn<A>& fn,
+                        ComposeStage stage, const std::vector<ComposeRow<A>>& rows,
+                        ComposeKeyGrads<A>& key_grads, const BackwardBlock& block,
+                        const BackwardTile<A>& tile, TransposeSlabs slabs, A* dw) {
+    const index_t row_stride = ws_.row_stride, hi = block.hi, keys = ws_.tile;
     for_each_row_chunk(tile.begin, tile.end, block.lo, hi, [&](index_t s, int n, index_t i) {
       A* grad_chunk = tile.grads_slab + i * row_stride + (s - tile.begin);
-      ComposeRowGrads<A> rg = ws_.row_grads(ws_.post, ComposeStage::post, tile.index, i);
-      post_bwd_(ws_.post, buf_.post_rows[i], s, n,
-                tile.probs_slab + i * row_stride + (s - tile.begin), ws_.tile, grad_chunk, ws_.tile,
-                grad_chunk, ws_.tile, rg, ws_.post_kg, dw, buf_.scratch.data(),
-                i + 1 < hi ? grad_chunk + row_stride : nullptr, ws_.tile);
+      const A* input = slabs.inputs + i * row_stride + (s - tile.begin);
+      const A* ahead = slabs.ahead + (i + 1) * row_stride + (s - tile.begin);
+      ComposeRowGrads<A> row_grads = ws_.row_grads(side, stage, tile.index, i);
+      ComposeGradChunk<A> chunk;
+      chunk.s = s;
+      chunk.n = n;
+      chunk.input = input;
+      chunk.out_grad = chunk.in_grad = grad_chunk;
+      chunk.input_hs = chunk.out_grad_hs = chunk.in_grad_hs = chunk.next_hs = keys;
+      chunk.next = i + 1 < hi ? ahead : nullptr;
+      fn(side, rows[i], chunk, {row_grads, key_grads, dw, buf_.scratch.data()});
     });
   }
 
@@ -557,15 +579,8 @@ class BackwardKernel {
 
   /// dL = Compose_pre^T(dL') in place, with the pre side's weight gradients.
   void compose_pre_backward(const BackwardBlock& block, const BackwardTile<A>& tile, A* dw) {
-    const index_t row_stride = ws_.row_stride, hi = block.hi;
-    for_each_row_chunk(tile.begin, tile.end, block.lo, hi, [&](index_t s, int n, index_t i) {
-      A* grad_chunk = tile.grads_slab + i * row_stride + (s - tile.begin);
-      A* scores = tile.scores_slab + i * row_stride + (s - tile.begin);
-      ComposeRowGrads<A> rg = ws_.row_grads(ws_.pre, ComposeStage::pre, tile.index, i);
-      pre_bwd_(ws_.pre, buf_.pre_rows[i], s, n, scores, ws_.tile, grad_chunk, ws_.tile, grad_chunk,
-               ws_.tile, rg, ws_.pre_kg, dw, buf_.scratch.data(),
-               i + 1 < hi ? scores + row_stride : nullptr, ws_.tile);
-    });
+    compose_backward(ws_.pre, pre_bwd_, ComposeStage::pre, buf_.pre_rows, ws_.pre_kg, block, tile,
+                     {tile.scores_slab, tile.scores_slab}, dw);
   }
 
   /// dK += dL^T Q for head m's kv head over the tile's keys.

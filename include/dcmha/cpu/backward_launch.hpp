@@ -18,13 +18,9 @@ namespace dcmha::cpu {
 
 /// What both modes of one backward call share.
 template <class T>
-struct BackwardLaunch {
+struct BackwardLaunch : LaunchBase<T, detail::BackwardParams<T>> {
   using A = acc_t<T>;
-  static constexpr bool kNarrow = !std::is_same_v<T, A>;
-
-  const detail::BackwardParams<T>& params;
-  RowMask mask;
-  int threads;
+  using LaunchBase<T, detail::BackwardParams<T>>::params;
   BackwardItems items;
   index_t panel_set;  // Workspace values of one set of panels
   // Static weights' gradients: one M x M accumulator per (batch, group), summed over the batch in
@@ -34,17 +30,15 @@ struct BackwardLaunch {
   // once at the end (bf16 sums over hundreds of blocks would lose the gradient's low bits).
   KeyValueGrads<A> grads;
 
-  BackwardLaunch(const detail::BackwardParams<T>& p, int threads_, Workspace& mem)
-      : params(p),
-        mask(p.mask, p.dims.T, p.dims.S),
-        threads(threads_),
+  BackwardLaunch(const detail::BackwardParams<T>& p, int threads, Workspace& mem)
+      : LaunchBase<T, detail::BackwardParams<T>>(p, threads),
         items(p.dims),
-        panel_set(BackwardWorkspace<A>::memory_size(p.dims, mask, p.compose, items.count)) {
+        panel_set(BackwardWorkspace<A>::memory_size(p.dims, this->mask, p.compose, items.count)) {
     const detail::AttentionDims& d = p.dims;
     const index_t slots = d.B * d.G * d.M * d.M;
     dw_pre.assign(p.compose.pre.static_w ? slots : 0, A(0));
     dw_post.assign(p.compose.post.static_w ? slots : 0, A(0));
-    if constexpr (kNarrow) {
+    if constexpr (!std::is_same_v<T, A>) {
       const index_t nk = d.B * d.Hk * d.S;
       A* acc = detail::WorkspaceAccess::shared<A>(mem, 1, nk * (d.D + d.Dv));
       grads.dk = bhtd(acc, d.B, d.Hk, d.S, d.D);
@@ -103,18 +97,17 @@ void backward_item(BackwardLaunch<T>& launch, BackwardKernel<T, acc_t<T>>& kerne
   }
 }
 
-/// Each thread takes whole items, every thread's panels in one Workspace block (shared with the
-/// forward's).
+/// Each thread takes whole items with a set of panels of its own.
 template <class T>
 void backward_independent_items(BackwardLaunch<T>& launch, Workspace& mem, RegionErrors& errors) {
   using A = acc_t<T>;
   const detail::BackwardParams<T>& p = launch.params;
-  A* panels = detail::WorkspaceAccess::shared<A>(mem, 0, launch.threads * launch.panel_set);
+  A* panels = launch.thread_panels(mem, launch.panel_set);
 #pragma omp parallel num_threads(launch.threads)
   {
-    const Team one{0, 1};
     BackwardWorkspace<A> ws;
     std::optional<BackwardThreadBuffers<A>> buffers;
+    const Team one{0, 1};
     errors.attempt([&] {
       ws.init(p.dims, launch.mask, p.compose, 1, launch.items.count,
               panels + thread_id() * launch.panel_set);

@@ -173,6 +173,32 @@ struct ComposeRow {
   }
 };
 
+/// y[j] += x[j] * w for j < n: the generic Compose's one loop shape, with a scalar weight (the
+/// query-wise and static terms) or one weight per key (the key-wise terms).
+template <class A>
+inline void add_scaled(A* y, const A* x, A w, int n) {
+#pragma omp simd
+  for (int j = 0; j < n; ++j) y[j] += x[j] * w;
+}
+template <class A>
+inline void add_scaled(A* y, const A* x, const A* w, int n) {
+#pragma omp simd
+  for (int j = 0; j < n; ++j) y[j] += x[j] * w[j];
+}
+
+/// y[j] = x[j] * (gate + key_gate[j]) for j < n, or x[j] * gate without key-wise gates (null):
+/// the gated identity term of Compose and of its transpose.
+template <class A>
+inline void set_gated(A* y, const A* x, A gate, const A* key_gate, int n) {
+  if (key_gate) {
+#pragma omp simd
+    for (int j = 0; j < n; ++j) y[j] = x[j] * (gate + key_gate[j]);
+  } else {
+#pragma omp simd
+    for (int j = 0; j < n; ++j) y[j] = x[j] * gate;
+  }
+}
+
 /// dst[n][j] = Compose(src[:, j])_n for the n keys s .. s+n-1 of one row. src and dst hold head m
 /// at src + m*src_hs (resp. dst + m*dst_hs) and may be the same memory.
 template <class A>
@@ -185,60 +211,23 @@ inline void compose_chunk(const KernelComposeTerms<A>& c, const ComposeRow<A>& q
   for (index_t i = 0; i < (Rq + Rk) * kChunk; ++i) qh[i] = A(0);
   for (index_t m = 0; m < M; ++m) {
     const A* a = src + m * src_hs;
-    for (index_t r = 0; r < Rq; ++r) {
-      const A w1 = q.qw1[r * M + m];
-      A* h = qh + r * kChunk;
-#pragma omp simd
-      for (int j = 0; j < n; ++j) h[j] += a[j] * w1;
-    }
-    for (index_t r = 0; r < Rk; ++r) {
-      const A* w1 = c.k1 + (r * M + m) * ld + s;
-      A* h = kh + r * kChunk;
-#pragma omp simd
-      for (int j = 0; j < n; ++j) h[j] += a[j] * w1[j];
-    }
+    for (index_t r = 0; r < Rq; ++r) add_scaled(qh + r * kChunk, a, q.qw1[r * M + m], n);
+    for (index_t r = 0; r < Rk; ++r) add_scaled(kh + r * kChunk, a, c.k1 + (r * M + m) * ld + s, n);
   }
   if (c.has_w) {
     for (index_t o = 0; o < M; ++o) {
       A* x = mix + o * kChunk;
       for (int j = 0; j < n; ++j) x[j] = A(0);
-      for (index_t m = 0; m < M; ++m) {
-        const A w = c.w[m * M + o];
-        const A* a = src + m * src_hs;
-#pragma omp simd
-        for (int j = 0; j < n; ++j) x[j] += a[j] * w;
-      }
+      for (index_t m = 0; m < M; ++m) add_scaled(x, src + m * src_hs, c.w[m * M + o], n);
     }
   }
   for (index_t o = 0; o < M; ++o) {
-    const A* a = src + o * src_hs;
     A* d = dst + o * dst_hs;
-    const A gq = A(1) + (c.has_q ? q.qdd[o] : A(0));
-    if (c.has_k) {
-      const A* kd = c.kd + o * ld + s;
-#pragma omp simd
-      for (int j = 0; j < n; ++j) d[j] = a[j] * (gq + kd[j]);
-    } else {
-#pragma omp simd
-      for (int j = 0; j < n; ++j) d[j] = a[j] * gq;
-    }
-    for (index_t r = 0; r < Rq; ++r) {
-      const A w2 = q.qw2[r * M + o];
-      const A* h = qh + r * kChunk;
-#pragma omp simd
-      for (int j = 0; j < n; ++j) d[j] += h[j] * w2;
-    }
-    for (index_t r = 0; r < Rk; ++r) {
-      const A* w2 = c.k2 + (r * M + o) * ld + s;
-      const A* h = kh + r * kChunk;
-#pragma omp simd
-      for (int j = 0; j < n; ++j) d[j] += h[j] * w2[j];
-    }
-    if (c.has_w) {
-      const A* x = mix + o * kChunk;
-#pragma omp simd
-      for (int j = 0; j < n; ++j) d[j] += x[j];
-    }
+    set_gated(d, src + o * src_hs, A(1) + (c.has_q ? q.qdd[o] : A(0)),
+              c.has_k ? c.kd + o * ld + s : nullptr, n);
+    for (index_t r = 0; r < Rq; ++r) add_scaled(d, qh + r * kChunk, q.qw2[r * M + o], n);
+    for (index_t r = 0; r < Rk; ++r) add_scaled(d, kh + r * kChunk, c.k2 + (r * M + o) * ld + s, n);
+    if (c.has_w) add_scaled(d, mix + o * kChunk, A(1), n);
   }
 }
 
@@ -277,30 +266,79 @@ struct ComposeKeyGrads {
   }
 };
 
-/// The transpose of compose_chunk. Given the compose input `a` and the gradient `out_grad` of its
-/// output on one row chunk, writes the gradient of the input to in_grad (which may alias out_grad)
-/// and adds the weights' gradients: the row's query-wise ones to rg, the key-wise ones to kg (at
-/// keys s .. s+n-1), the static one to dw ([m][n]).
+/// One row chunk of the compose transpose: keys s .. s+n-1; head m of each operand at + m times
+/// its head stride. `input`: Compose's input (L or P); `out_grad`: the gradient of its output;
+/// `in_grad`: where the input's gradient goes (may alias out_grad). `next`: a row the caller
+/// reads next (head stride next_hs), asked for ahead, or null.
 template <class A>
-inline void compose_chunk_backward(const KernelComposeTerms<A>& c, const ComposeRow<A>& q,
-                                   index_t s, int n, const A* a, index_t a_hs, const A* out_grad,
-                                   index_t out_grad_hs, A* in_grad, index_t in_grad_hs,
-                                   ComposeRowGrads<A>& rg, ComposeKeyGrads<A>& kg, A* dw,
-                                   A* scratch) {
-  const index_t M = c.M, Rq = c.Rq, Rk = c.Rk, ld = c.ld;
-  A* qh = scratch;            // [Rq][kChunk]  sum_m a_m qw1_rm
-  A* kh = qh + Rq * kChunk;   // [Rk][kChunk]  sum_m a_m kw1_rm
-  A* gq = kh + Rk * kChunk;   // [Rq][kChunk]  sum_n qw2_rn out_grad_n
-  A* gk = gq + Rq * kChunk;   // [Rk][kChunk]  sum_n kw2_rn out_grad_n
-  A* mix = gk + Rk * kChunk;  // [M][kChunk]   static term staged (in_grad may alias out_grad)
-  for (index_t i = 0; i < 2 * (Rq + Rk) * kChunk; ++i) qh[i] = A(0);
+struct ComposeGradChunk {
+  index_t s = 0;
+  int n = 0;
+  const A* input = nullptr;
+  index_t input_hs = 0;
+  const A* out_grad = nullptr;
+  index_t out_grad_hs = 0;
+  A* in_grad = nullptr;
+  index_t in_grad_hs = 0;
+  const A* next = nullptr;
+  index_t next_hs = 0;
+
+  /// The same chunk from column j on (the first j keys done elsewhere).
+  ComposeGradChunk from(int j) const {
+    ComposeGradChunk x = *this;
+    x.s += j;
+    x.n -= j;
+    x.input += j;
+    x.out_grad += j;
+    x.in_grad += j;
+    if (x.next) x.next += j;
+    return x;
+  }
+};
+
+/// Where the transpose adds the weights' gradients: the row's query-wise ones, the key-wise ones
+/// (at keys s .. s+n-1), the static one ([m][n], or null without W); and its scratch
+/// (KernelComposeTerms::scratch_size() values).
+template <class A>
+struct ComposeGradSinks {
+  ComposeRowGrads<A>& row;
+  ComposeKeyGrads<A>& key;
+  A* dw;
+  A* scratch;
+};
+
+namespace detail_compose {
+
+/// The transpose's per-chunk vectors, kChunk values per rank or head, carved from scratch.
+template <class A>
+struct TransposeVectors {
+  A* qh;   // [Rq][kChunk]  sum_m a_m qw1_rm
+  A* kh;   // [Rk][kChunk]  sum_m a_m kw1_rm
+  A* gq;   // [Rq][kChunk]  sum_n qw2_rn out_grad_n
+  A* gk;   // [Rk][kChunk]  sum_n kw2_rn out_grad_n
+  A* mix;  // [M][kChunk]   static term staged (in_grad may alias out_grad)
+
+  TransposeVectors(const KernelComposeTerms<A>& c, A* scratch)
+      : qh(scratch),
+        kh(qh + c.Rq * kChunk),
+        gq(kh + c.Rk * kChunk),
+        gk(gq + c.Rq * kChunk),
+        mix(gk + c.Rk * kChunk) {}
+};
+
+template <class A>
+inline void transpose_hidden(const KernelComposeTerms<A>& c, const ComposeRow<A>& q,
+                             const ComposeGradChunk<A>& x, const TransposeVectors<A>& t) {
+  const index_t M = c.M, Rq = c.Rq, Rk = c.Rk, ld = c.ld, s = x.s;
+  const int n = x.n;
+  for (index_t i = 0; i < 2 * (Rq + Rk) * kChunk; ++i) t.qh[i] = A(0);
   for (index_t m = 0; m < M; ++m) {
-    const A* am = a + m * a_hs;
-    const A* gm = out_grad + m * out_grad_hs;
+    const A* am = x.input + m * x.input_hs;
+    const A* gm = x.out_grad + m * x.out_grad_hs;
     for (index_t r = 0; r < Rq; ++r) {
       const A w1 = q.qw1[r * M + m], w2 = q.qw2[r * M + m];
-      A* h = qh + r * kChunk;
-      A* e = gq + r * kChunk;
+      A* h = t.qh + r * kChunk;
+      A* e = t.gq + r * kChunk;
 #pragma omp simd
       for (int j = 0; j < n; ++j) {
         h[j] += am[j] * w1;
@@ -310,8 +348,8 @@ inline void compose_chunk_backward(const KernelComposeTerms<A>& c, const Compose
     for (index_t r = 0; r < Rk; ++r) {
       const A* w1 = c.k1 + (r * M + m) * ld + s;
       const A* w2 = c.k2 + (r * M + m) * ld + s;
-      A* h = kh + r * kChunk;
-      A* e = gk + r * kChunk;
+      A* h = t.kh + r * kChunk;
+      A* e = t.gk + r * kChunk;
 #pragma omp simd
       for (int j = 0; j < n; ++j) {
         h[j] += am[j] * w1[j];
@@ -319,94 +357,107 @@ inline void compose_chunk_backward(const KernelComposeTerms<A>& c, const Compose
       }
     }
   }
-  // Weight gradients read a and out_grad, so they come before in_grad (which may overwrite
-  // out_grad).
-  for (index_t m = 0; m < M; ++m) {
-    const A* am = a + m * a_hs;
-    const A* gm = out_grad + m * out_grad_hs;
-    for (index_t r = 0; r < Rq; ++r) {
-      const A* h = qh + r * kChunk;
-      const A* e = gq + r * kChunk;
-      A s1 = 0, s2 = 0;
+}
+
+/// The low-rank terms' and gates' gradients of head m.
+template <class A>
+inline void transpose_weight_grads(const KernelComposeTerms<A>& c, const ComposeGradChunk<A>& x,
+                                   const TransposeVectors<A>& t, const ComposeGradSinks<A>& out,
+                                   index_t m) {
+  const index_t M = c.M, ld = c.ld, s = x.s;
+  const int n = x.n;
+  const A* am = x.input + m * x.input_hs;
+  const A* gm = x.out_grad + m * x.out_grad_hs;
+  for (index_t r = 0; r < c.Rq; ++r) {
+    const A* h = t.qh + r * kChunk;
+    const A* e = t.gq + r * kChunk;
+    A s1 = 0, s2 = 0;
 #pragma omp simd reduction(+ : s1, s2)
-      for (int j = 0; j < n; ++j) {
-        s1 += am[j] * e[j];  // d qw1[r][m]
-        s2 += h[j] * gm[j];  // d qw2[r][m]
-      }
-      rg.qw1()[r * M + m] += s1;
-      rg.qw2()[r * M + m] += s2;
+    for (int j = 0; j < n; ++j) {
+      s1 += am[j] * e[j];  // d qw1[r][m]
+      s2 += h[j] * gm[j];  // d qw2[r][m]
     }
-    for (index_t r = 0; r < Rk; ++r) {
-      const A* h = kh + r * kChunk;
-      const A* e = gk + r * kChunk;
-      A* d1 = kg.kw1.data() + (r * M + m) * ld + s;
-      A* d2 = kg.kw2.data() + (r * M + m) * ld + s;
+    out.row.qw1()[r * M + m] += s1;
+    out.row.qw2()[r * M + m] += s2;
+  }
+  for (index_t r = 0; r < c.Rk; ++r) {
+    const A* h = t.kh + r * kChunk;
+    const A* e = t.gk + r * kChunk;
+    A* d1 = out.key.kw1.data() + (r * M + m) * ld + s;
+    A* d2 = out.key.kw2.data() + (r * M + m) * ld + s;
 #pragma omp simd
-      for (int j = 0; j < n; ++j) {
-        d1[j] += am[j] * e[j];
-        d2[j] += h[j] * gm[j];
-      }
+    for (int j = 0; j < n; ++j) {
+      d1[j] += am[j] * e[j];
+      d2[j] += h[j] * gm[j];
     }
-    if (c.has_q) {
-      A sd = 0;
+  }
+  if (c.has_q) {
+    A sd = 0;
 #pragma omp simd reduction(+ : sd)
-      for (int j = 0; j < n; ++j) sd += am[j] * gm[j];
-      rg.qdd()[m] += sd;
-    }
-    if (c.has_k) {
-      A* dd = kg.kdd.data() + m * ld + s;
+    for (int j = 0; j < n; ++j) sd += am[j] * gm[j];
+    out.row.qdd()[m] += sd;
+  }
+  if (c.has_k) {
+    A* dd = out.key.kdd.data() + m * ld + s;
 #pragma omp simd
-      for (int j = 0; j < n; ++j) dd[j] += am[j] * gm[j];
-    }
+    for (int j = 0; j < n; ++j) dd[j] += am[j] * gm[j];
   }
-  if (c.has_w) {
-    for (index_t m = 0; m < M; ++m) {
-      const A* am = a + m * a_hs;
-      A* x = mix + m * kChunk;
-      for (int j = 0; j < n; ++j) x[j] = A(0);
-      for (index_t o = 0; o < M; ++o) {
-        const A* go = out_grad + o * out_grad_hs;
-        const A w = c.w[m * M + o];
-        A sw = 0;
-#pragma omp simd reduction(+ : sw)
-        for (int j = 0; j < n; ++j) {
-          x[j] += go[j] * w;
-          sw += am[j] * go[j];
-        }
-        dw[m * M + o] += sw;
-      }
-    }
-  }
+}
+
+/// The static term's part of the input gradient, staged, and its weights' gradient.
+template <class A>
+inline void transpose_static(const KernelComposeTerms<A>& c, const ComposeGradChunk<A>& x,
+                             const TransposeVectors<A>& t, A* dw) {
+  const index_t M = c.M;
+  const int n = x.n;
   for (index_t m = 0; m < M; ++m) {
-    const A* gm = out_grad + m * out_grad_hs;
-    A* out = in_grad + m * in_grad_hs;
-    const A gqd = A(1) + (c.has_q ? q.qdd[m] : A(0));
-    if (c.has_k) {
-      const A* kd = c.kd + m * ld + s;
-#pragma omp simd
-      for (int j = 0; j < n; ++j) out[j] = gm[j] * (gqd + kd[j]);
-    } else {
-#pragma omp simd
-      for (int j = 0; j < n; ++j) out[j] = gm[j] * gqd;
-    }
-    for (index_t r = 0; r < Rq; ++r) {
-      const A w1 = q.qw1[r * M + m];
-      const A* e = gq + r * kChunk;
-#pragma omp simd
-      for (int j = 0; j < n; ++j) out[j] += e[j] * w1;
-    }
-    for (index_t r = 0; r < Rk; ++r) {
-      const A* w1 = c.k1 + (r * M + m) * ld + s;
-      const A* e = gk + r * kChunk;
-#pragma omp simd
-      for (int j = 0; j < n; ++j) out[j] += e[j] * w1[j];
-    }
-    if (c.has_w) {
-      const A* x = mix + m * kChunk;
-#pragma omp simd
-      for (int j = 0; j < n; ++j) out[j] += x[j];
+    const A* am = x.input + m * x.input_hs;
+    A* mixed = t.mix + m * kChunk;
+    for (int j = 0; j < n; ++j) mixed[j] = A(0);
+    for (index_t o = 0; o < M; ++o) {
+      const A* go = x.out_grad + o * x.out_grad_hs;
+      const A w = c.w[m * M + o];
+      A sw = 0;
+#pragma omp simd reduction(+ : sw)
+      for (int j = 0; j < n; ++j) {
+        mixed[j] += go[j] * w;
+        sw += am[j] * go[j];
+      }
+      dw[m * M + o] += sw;
     }
   }
+}
+
+/// Head m's input gradient.
+template <class A>
+inline void transpose_input_grad(const KernelComposeTerms<A>& c, const ComposeRow<A>& q,
+                                 const ComposeGradChunk<A>& x, const TransposeVectors<A>& t,
+                                 index_t m) {
+  const index_t M = c.M, ld = c.ld, s = x.s;
+  const int n = x.n;
+  A* out = x.in_grad + m * x.in_grad_hs;
+  set_gated(out, x.out_grad + m * x.out_grad_hs, A(1) + (c.has_q ? q.qdd[m] : A(0)),
+            c.has_k ? c.kd + m * ld + s : nullptr, n);
+  for (index_t r = 0; r < c.Rq; ++r) add_scaled(out, t.gq + r * kChunk, q.qw1[r * M + m], n);
+  for (index_t r = 0; r < c.Rk; ++r)
+    add_scaled(out, t.gk + r * kChunk, c.k1 + (r * M + m) * ld + s, n);
+  if (c.has_w) add_scaled(out, t.mix + m * kChunk, A(1), n);
+}
+
+}  // namespace detail_compose
+
+/// The transpose of compose_chunk on one row chunk: the input's gradient into x.in_grad, the
+/// weights' gradients added into `out`. Weight gradients read the input and out_grad, so they
+/// come before in_grad (which may overwrite out_grad).
+template <class A>
+inline void compose_chunk_backward(const KernelComposeTerms<A>& c, const ComposeRow<A>& q,
+                                   const ComposeGradChunk<A>& x, const ComposeGradSinks<A>& out) {
+  using namespace detail_compose;
+  const TransposeVectors<A> t(c, out.scratch);
+  transpose_hidden(c, q, x, t);
+  for (index_t m = 0; m < c.M; ++m) transpose_weight_grads(c, x, t, out, m);
+  if (c.has_w) transpose_static(c, x, t, out.dw);
+  for (index_t m = 0; m < c.M; ++m) transpose_input_grad(c, q, x, t, m);
 }
 
 }  // namespace dcmha::cpu

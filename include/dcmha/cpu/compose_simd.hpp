@@ -108,7 +108,7 @@ void compose_chunk_registers(const KernelComposeTerms<A>& c, const ComposeRow<A>
 /// compose_chunk_backward for sides without static W and with Rq, Rk equal to the template ranks.
 /// Per column block: the hidden vectors first (loop over heads), then each head's input gradient
 /// and weight gradients with those vectors in registers. The query-wise gradients are summed per
-/// head as lane vectors in L1 scratch and reduced into rg once per call: per-row lane
+/// head as lane vectors in L1 scratch and reduced into sinks.row once per call: per-row lane
 /// accumulators (5 KiB a row at M = 32, Rq = 2) for a block's rows would not stay in cache, and
 /// the post side's transpose would wait on them. Column blocks outer instead of heads outer keeps
 /// the hidden vectors in registers rather than on the stack. `next`: the next row of one of the
@@ -116,10 +116,15 @@ void compose_chunk_registers(const KernelComposeTerms<A>& c, const ComposeRow<A>
 /// same columns (compose_chunk_registers).
 template <class A, int RQ, int RK>
 void compose_chunk_backward_registers(const KernelComposeTerms<A>& c, const ComposeRow<A>& q,
-                                      index_t s, int n, const A* a, index_t a_hs, const A* out_grad,
-                                      index_t out_grad_hs, A* in_grad, index_t in_grad_hs,
-                                      ComposeRowGrads<A>& rg, ComposeKeyGrads<A>& kg, A* dw,
-                                      A* scratch, const A* next, index_t next_hs) {
+                                      const ComposeGradChunk<A>& x,
+                                      const ComposeGradSinks<A>& sinks) {
+  const index_t s = x.s, a_hs = x.input_hs, out_grad_hs = x.out_grad_hs, in_grad_hs = x.in_grad_hs;
+  const index_t next_hs = x.next_hs;
+  const int n = x.n;
+  const A *a = x.input, *out_grad = x.out_grad, *next = x.next;
+  A* in_grad = x.in_grad;
+  ComposeKeyGrads<A>& kg = sinks.key;
+  A* scratch = sinks.scratch;
   using V = typename Simd<A>::V;
   constexpr int L = Simd<A>::L;
   constexpr int RQ1 = RQ > 0 ? RQ : 1, RK1 = RK > 0 ? RK : 1;
@@ -178,56 +183,58 @@ void compose_chunk_backward_registers(const KernelComposeTerms<A>& c, const Comp
       vstore(in_grad + m * in_grad_hs + j, out);
     }
   }
-  if (RQ && nb > 0) add_lane_sums(lanes1, (2 * RQ + 1) * M, rg.sums);
+  if (RQ && nb > 0) add_lane_sums(lanes1, (2 * RQ + 1) * M, sinks.row.sums);
   const int j = nb * L;
   if (j < n) {
     if (next) prefetch_rows(next + j, M, next_hs, (n - j) * index_t(sizeof(A)));
-    compose_chunk_backward(c, q, s + j, n - j, a + j, a_hs, out_grad + j, out_grad_hs, in_grad + j,
-                           in_grad_hs, rg, kg, dw, scratch);
+    compose_chunk_backward(c, q, x.from(j), sinks);
   }
+}
+#endif
+
+#ifdef DCMHA_HAS_VECTOR_EXTENSIONS
+/// The register-blocked kernel for ranks rq, rk <= 3: pick(integral_constant<int, RQ>,
+/// integral_constant<int, RK>) names the instance, for each of the 16 pairs.
+template <class Fn, class Pick, int... Pair>
+Fn ranked_kernel(index_t rq, index_t rk, Pick pick, std::integer_sequence<int, Pair...>) {
+  const Fn instances[] = {
+      pick(std::integral_constant<int, Pair / 4>{}, std::integral_constant<int, Pair % 4>{})...};
+  return instances[rq * 4 + rk];
+}
+template <class Fn, class Pick>
+Fn ranked_kernel(index_t rq, index_t rk, Pick pick) {
+  return ranked_kernel<Fn>(rq, rk, pick, std::make_integer_sequence<int, 16>{});
 }
 #endif
 
 /// compose_chunk_backward with the fastest path the side allows.
 template <class A>
 struct ComposeBackwardFn {
-  using Fn = void (*)(const KernelComposeTerms<A>&, const ComposeRow<A>&, index_t, int, const A*,
-                      index_t, const A*, index_t, A*, index_t, ComposeRowGrads<A>&,
-                      ComposeKeyGrads<A>&, A*, A*, const A*, index_t);
+  using Fn = void (*)(const KernelComposeTerms<A>&, const ComposeRow<A>&,
+                      const ComposeGradChunk<A>&, const ComposeGradSinks<A>&);
   Fn fn = &generic;
 
   explicit ComposeBackwardFn(const KernelComposeTerms<A>& c) {
 #ifdef DCMHA_HAS_VECTOR_EXTENSIONS
-    if (!c.has_w && c.Rq <= 3 && c.Rk <= 3) fn = table[c.Rq][c.Rk];
+    if (!c.has_w && c.Rq <= 3 && c.Rk <= 3)
+      fn = ranked_kernel<Fn>(c.Rq, c.Rk, [](auto rq, auto rk) -> Fn {
+        return &compose_chunk_backward_registers<A, decltype(rq)::value, decltype(rk)::value>;
+      });
 #else
     (void)c;
 #endif
   }
-  template <class... Args>
-  void operator()(Args&&... args) const {
-    fn(std::forward<Args>(args)...);
+  void operator()(const KernelComposeTerms<A>& c, const ComposeRow<A>& q,
+                  const ComposeGradChunk<A>& x, const ComposeGradSinks<A>& sinks) const {
+    fn(c, q, x, sinks);
   }
 
  private:
-  static void generic(const KernelComposeTerms<A>& c, const ComposeRow<A>& q, index_t s, int n,
-                      const A* a, index_t a_hs, const A* out_grad, index_t out_grad_hs, A* in_grad,
-                      index_t in_grad_hs, ComposeRowGrads<A>& rg, ComposeKeyGrads<A>& kg, A* dw,
-                      A* scratch, const A* next, index_t next_hs) {
-    if (next) prefetch_rows(next, c.M, next_hs, n * index_t(sizeof(A)));
-    compose_chunk_backward(c, q, s, n, a, a_hs, out_grad, out_grad_hs, in_grad, in_grad_hs, rg, kg,
-                           dw, scratch);
+  static void generic(const KernelComposeTerms<A>& c, const ComposeRow<A>& q,
+                      const ComposeGradChunk<A>& x, const ComposeGradSinks<A>& sinks) {
+    if (x.next) prefetch_rows(x.next, c.M, x.next_hs, x.n * index_t(sizeof(A)));
+    compose_chunk_backward(c, q, x, sinks);
   }
-#ifdef DCMHA_HAS_VECTOR_EXTENSIONS
-  static constexpr Fn table[4][4] = {
-      {&compose_chunk_backward_registers<A, 0, 0>, &compose_chunk_backward_registers<A, 0, 1>,
-       &compose_chunk_backward_registers<A, 0, 2>, &compose_chunk_backward_registers<A, 0, 3>},
-      {&compose_chunk_backward_registers<A, 1, 0>, &compose_chunk_backward_registers<A, 1, 1>,
-       &compose_chunk_backward_registers<A, 1, 2>, &compose_chunk_backward_registers<A, 1, 3>},
-      {&compose_chunk_backward_registers<A, 2, 0>, &compose_chunk_backward_registers<A, 2, 1>,
-       &compose_chunk_backward_registers<A, 2, 2>, &compose_chunk_backward_registers<A, 2, 3>},
-      {&compose_chunk_backward_registers<A, 3, 0>, &compose_chunk_backward_registers<A, 3, 1>,
-       &compose_chunk_backward_registers<A, 3, 2>, &compose_chunk_backward_registers<A, 3, 3>}};
-#endif
 };
 
 /// Compose on one row chunk with the fastest path the side allows; see compose_chunk.
@@ -240,7 +247,10 @@ struct ComposeFn {
 
   explicit ComposeFn(const KernelComposeTerms<A>& c) {
 #ifdef DCMHA_HAS_VECTOR_EXTENSIONS
-    if (!c.has_w && c.Rq <= 3 && c.Rk <= 3) fn = table[c.Rq][c.Rk];
+    if (!c.has_w && c.Rq <= 3 && c.Rk <= 3)
+      fn = ranked_kernel<Fn>(c.Rq, c.Rk, [](auto rq, auto rk) -> Fn {
+        return &compose_chunk_registers<A, decltype(rq)::value, decltype(rk)::value>;
+      });
 #endif
     if (!fn) fn = &generic;
   }
@@ -261,17 +271,6 @@ struct ComposeFn {
       for (int i = 0; i < n; ++i) tmp[m * kChunk + i] = src[m * src_hs + i] * in_scale[m];
     compose_chunk(c, q, s, n, tmp, kChunk, dst, dst_hs, scratch);
   }
-#ifdef DCMHA_HAS_VECTOR_EXTENSIONS
-  static constexpr Fn table[4][4] = {
-      {&compose_chunk_registers<A, 0, 0>, &compose_chunk_registers<A, 0, 1>,
-       &compose_chunk_registers<A, 0, 2>, &compose_chunk_registers<A, 0, 3>},
-      {&compose_chunk_registers<A, 1, 0>, &compose_chunk_registers<A, 1, 1>,
-       &compose_chunk_registers<A, 1, 2>, &compose_chunk_registers<A, 1, 3>},
-      {&compose_chunk_registers<A, 2, 0>, &compose_chunk_registers<A, 2, 1>,
-       &compose_chunk_registers<A, 2, 2>, &compose_chunk_registers<A, 2, 3>},
-      {&compose_chunk_registers<A, 3, 0>, &compose_chunk_registers<A, 3, 1>,
-       &compose_chunk_registers<A, 3, 2>, &compose_chunk_registers<A, 3, 3>}};
-#endif
 };
 
 }  // namespace dcmha::cpu

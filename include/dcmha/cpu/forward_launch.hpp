@@ -20,27 +20,20 @@ namespace dcmha::cpu {
 
 /// What every mode of one forward call shares.
 template <class T>
-struct ForwardLaunch {
+struct ForwardLaunch : LaunchBase<T, detail::ForwardParams<T>> {
   using A = acc_t<T>;
-  static constexpr bool kNarrow = !std::is_same_v<T, A>;
-
-  const detail::ForwardParams<T>& params;
-  RowMask mask;
-  int threads;
   index_t items, Bq, blocks;
   index_t private_size;  // Workspace values of one thread's own panel
 
-  ForwardLaunch(const detail::ForwardParams<T>& p, int threads_)
-      : params(p),
-        mask(p.mask, p.dims.T, p.dims.S),
-        threads(threads_),
+  ForwardLaunch(const detail::ForwardParams<T>& p, int threads)
+      : LaunchBase<T, detail::ForwardParams<T>>(p, threads),
         items(p.dims.B * p.dims.G),
-        Bq(forward_block_rows<A>(p.dims, mask, threads)),
+        Bq(forward_block_rows<A>(p.dims, this->mask, threads)),
         blocks((p.dims.T + Bq - 1) / Bq),
-        private_size(ForwardWorkspace<A>::memory_size(p.dims, mask, 1, Bq)) {}
+        private_size(ForwardWorkspace<A>::memory_size(p.dims, this->mask, 1, Bq)) {}
 
-  index_t batch_of(index_t item) const { return item / params.dims.G; }
-  index_t group_of(index_t item) const { return item % params.dims.G; }
+  index_t batch_of(index_t item) const { return item / this->params.dims.G; }
+  index_t group_of(index_t item) const { return item % this->params.dims.G; }
 };
 
 /// Each thread takes whole (batch, group) items and never waits on another.
@@ -49,9 +42,7 @@ void forward_independent_items(const ForwardLaunch<T>& launch, Workspace& mem,
                                RegionErrors& errors) {
   using A = acc_t<T>;
   const detail::ForwardParams<T>& p = launch.params;
-  // Every thread's panel in one Workspace block, so that forward and backward calls share (and
-  // keep) one buffer for their panels.
-  A* panels = detail::WorkspaceAccess::shared<A>(mem, 0, launch.threads * launch.private_size);
+  A* panels = launch.thread_panels(mem, launch.private_size);
 #pragma omp parallel num_threads(launch.threads)
   {
     const Team one{0, 1};
@@ -82,7 +73,7 @@ void forward_private_blocks(const ForwardLaunch<T>& launch, ComposeSides<acc_t<T
                             Workspace& mem, RegionErrors& errors) {
   using A = acc_t<T>;
   const detail::ForwardParams<T>& p = launch.params;
-  A* panels = detail::WorkspaceAccess::shared<A>(mem, 0, launch.threads * launch.private_size);
+  A* panels = launch.thread_panels(mem, launch.private_size);
 #pragma omp parallel num_threads(launch.threads)
   {
     const Team team{thread_id(), team_size()}, one{0, 1};

@@ -6,11 +6,14 @@
 #include <algorithm>
 #include <initializer_list>
 #include <limits>
+#include <type_traits>
 
 #include "../compose_weights.hpp"
 #include "../detail/dims.hpp"
 #include "../error.hpp"
+#include "../config.hpp"
 #include "../tensor.hpp"
+#include "../workspace.hpp"
 #include "mask.hpp"
 #include "tile.hpp"
 
@@ -79,6 +82,27 @@ struct SlabLayout {
   /// Offset of rank `rank`'s slab of tile number t; row i of it at + i * row_stride, head m's keys
   /// at + m * tile.
   index_t slab_offset(int rank, index_t t) const { return (rank * tiles + t) * slab; }
+};
+
+/// What every launch of a call knows: its parameters (ForwardParams or BackwardParams), which
+/// keys each row sees, and its thread count.
+template <class T, class Params>
+struct LaunchBase {
+  using A = acc_t<T>;
+  static constexpr bool kNarrow = !std::is_same_v<T, A>;  // bf16 storage, float arithmetic
+
+  const Params& params;
+  RowMask mask;
+  int threads;
+
+  LaunchBase(const Params& p, int threads_)
+      : params(p), mask(p.mask, p.dims.T, p.dims.S), threads(threads_) {}
+
+  /// One Workspace block for every thread's own panels, `per_thread` values each: forward and
+  /// backward calls share (and keep) one buffer for their panels.
+  A* thread_panels(Workspace& mem, index_t per_thread) const {
+    return detail::WorkspaceAccess::shared<A>(mem, 0, threads * per_thread);
+  }
 };
 
 /// How a call's threads share its (batch, group) items.

@@ -185,8 +185,19 @@ A resolved_scale(double scale, index_t D) {
   return scale > 0 ? A(scale) : A(1) / std::sqrt(A(D));
 }
 
-inline MaskParams mask_params(const AttentionConfig& cfg) {
-  return {cfg.mask == Mask::causal, cfg.window, cfg.query_lengths, cfg.key_lengths};
+/// The parameters forward and backward share, from validated arguments.
+template <class T>
+void set_qkv_params(QkvParams<T>& p, const AttentionDims& dims, const AttentionConfig& cfg,
+                    TensorView<const T, 4> q, TensorView<const T, 4> k, TensorView<const T, 4> v,
+                    const ComposeWeights<T>& compose) {
+  p.dims = dims;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.compose = compose;
+  p.mask = {cfg.mask == Mask::causal, cfg.window, cfg.query_lengths, cfg.key_lengths};
+  p.scale = resolved_scale<acc_t<T>>(cfg.scale, dims.D);
+  p.num_threads = cfg.num_threads;
 }
 
 /// validate_forward, then the backend's parameters of the call.
@@ -196,16 +207,9 @@ ForwardParams<T> forward_params(const char* fn, const AttentionConfig& cfg,
                                 TensorView<const T, 4> v, TensorView<T, 4> out,
                                 TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& compose) {
   ForwardParams<T> p;
-  p.dims = validate_forward(fn, cfg, q, k, v, out, lse, compose);
-  p.q = q;
-  p.k = k;
-  p.v = v;
+  set_qkv_params(p, validate_forward(fn, cfg, q, k, v, out, lse, compose), cfg, q, k, v, compose);
   p.out = out;
   p.lse = lse;
-  p.compose = compose;
-  p.mask = mask_params(cfg);
-  p.scale = resolved_scale<acc_t<T>>(cfg.scale, p.dims.D);
-  p.num_threads = cfg.num_threads;
   return p;
 }
 
@@ -219,20 +223,15 @@ BackwardParams<T> backward_params(const char* fn, const AttentionConfig& cfg,
                                   const ComposeWeights<T>& compose,
                                   const ComposeGrads<T>& dcompose) {
   BackwardParams<T> p;
-  p.dims = validate_backward(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
-  p.q = q;
-  p.k = k;
-  p.v = v;
+  const AttentionDims dims =
+      validate_backward(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
+  set_qkv_params(p, dims, cfg, q, k, v, compose);
   p.lse = lse;
   p.dout = dout;
   p.dq = dq;
   p.dk = dk;
   p.dv = dv;
-  p.compose = compose;
   p.dcompose = dcompose;
-  p.mask = mask_params(cfg);
-  p.scale = resolved_scale<acc_t<T>>(cfg.scale, p.dims.D);
-  p.num_threads = cfg.num_threads;
   return p;
 }
 

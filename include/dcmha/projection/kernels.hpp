@@ -253,6 +253,108 @@ void forward(const ProjectionConfig& cfg, const ProjectionDims& d, TensorView<co
   }
 }
 
+/// One row's upstream gradients of the dynamic weights through the RMS norm (w1) and tanh (dd),
+/// in place: `w` holds the row's pre-norm weights and becomes their gradient; `dd_pre` holds the
+/// gate's pre-tanh values and becomes theirs.
+template <class T>
+void norm_and_tanh_backward_row(const ProjectionDims& d, const SplitViews<const T>& g_in,
+                                acc_t<T> eps, index_t n, T* w_row, T* dd_pre_row) {
+  using A = acc_t<T>;
+  const index_t b = n / d.L, l = n % d.L, R = d.R, M = d.M, W2 = 2 * R * M;
+  for (index_t g = 0; g < d.G; ++g) {
+    for (int c = 0; c < 4; ++c) {
+      const index_t gc = g * 4 + c;
+      T* w = w_row + gc * W2;
+      const TensorView<const T, 5>& v1 = g_in.w1[c];
+      const TensorView<const T, 5>& v2 = g_in.w2[c];
+      const T* dy1 = row_ptr(v1, b, l, g);
+      const T* dy2 = row_ptr(v2, b, l, g);
+      for (index_t ri = 0; ri < R; ++ri) {
+        // y = w / s with s = sqrt(mean(w^2) + eps): dw = (dy - y * mean(dy * y)) / s.
+        T* w1 = w + ri * M;
+        A ss = 0, dot = 0;
+        for (index_t m = 0; m < M; ++m) {
+          ss += A(w1[m]) * A(w1[m]);
+          dot += A(dy1[ri * v1.stride[3] + m * v1.stride[4]]) * A(w1[m]);
+        }
+        const A inv = A(1) / std::sqrt(ss / A(M) + eps);
+        const A mean_dy_y = dot * inv / A(M);
+        for (index_t m = 0; m < M; ++m) {
+          const A dy = dy1[ri * v1.stride[3] + m * v1.stride[4]];
+          const A y = A(w1[m]) * inv;
+          w1[m] = static_cast<T>((dy - y * mean_dy_y) * inv);
+        }
+        T* w2 = w + (R + ri) * M;
+        for (index_t m = 0; m < M; ++m) w2[m] = dy2[ri * v2.stride[3] + m * v2.stride[4]];
+      }
+      const TensorView<const T, 4>& vd = g_in.dd[c];
+      const T* ddy = row_ptr(vd, b, l, g);
+      T* dp = dd_pre_row + gc * M;
+      for (index_t m = 0; m < M; ++m) {
+        const A t = std::tanh(A(dp[m]));
+        dp[m] = static_cast<T>(A(ddy[m * vd.stride[3]]) * (A(1) - t * t));
+      }
+    }
+  }
+}
+
+/// Per (group, split): d(qkw) = hidden^T dw, then d(hidden) = dw qkw^T into r.hidden over the
+/// same block of `hidden`, which is no longer needed.
+template <class T>
+void lowrank_backward(const ProjectionDims& d, const RowMat<T>& hidden, const ParamMatrices<T>& pm,
+                      const DynamicWeightProjectionGrads<T>& grads, Recomputed<T>& r) {
+  const index_t K = d.K, W2 = 2 * d.R * d.M;
+  for (index_t g = 0; g < d.G; ++g)
+    for (index_t c = 0; c < 4; ++c) {
+      const index_t gc = g * 4 + c;
+      OutputMatrix<T, 3> gq(ParamMatrices<T>::qkw_block(grads.qkw, g, c), 1);
+      map(gq.mat()).noalias() =
+          hidden.middleCols(gc * K, K).transpose() * r.w.middleCols(gc * W2, W2);
+      gq.finish();
+      r.hidden.middleCols(gc * K, K).noalias() =
+          r.w.middleCols(gc * W2, W2) * map(pm.qkw[gc]).transpose();
+    }
+}
+
+/// d(hidden) becomes d(hidden before GELU), in place.
+template <class T>
+void gelu_backward(Gelu kind, const RowMat<T>& hpre, RowMat<T>& dhidden) {
+  const T* pre = hpre.data();
+  T* dh = dhidden.data();
+  const index_t total = dhidden.size();
+#pragma omp parallel for schedule(static)
+  for (index_t i = 0; i < total; ++i) dh[i] = static_cast<T>(dh[i] * gelu_grad<T>(pre[i], kind));
+}
+
+/// The gradients of the input projections (dw1, dd) and of x.
+template <class T>
+void input_backward(const RowBlocks<const T>& xr, const RowMat<T>& dhpre, const RowMat<T>& dddpre,
+                    const ParamMatrices<T>& pm, TensorView<T, 3> dx,
+                    const DynamicWeightProjectionGrads<T>& grads) {
+  OutputMatrix<T, 4> gw(grads.dw1, 1);
+  rows_transpose_times(xr, dhpre, gw.mat());
+  gw.finish();
+  OutputMatrix<T, 3> gd(grads.dd, 1);
+  rows_transpose_times(xr, dddpre, gd.mat());
+  gd.finish();
+
+  auto dx_rows = [&](auto&& dst, index_t r0, index_t rows) {
+    dst.noalias() = dhpre.middleRows(r0, rows) * map(pm.dw1).transpose();
+    dst.noalias() += dddpre.middleRows(r0, rows) * map(pm.dd).transpose();
+  };
+  if (auto blocks = as_row_blocks(dx)) {
+    for (std::size_t i = 0; i < blocks->blocks.size(); ++i) {
+      MutMap<T> dst = map(blocks->blocks[i]);
+      dx_rows(dst, static_cast<index_t>(i) * blocks->block_rows, blocks->blocks[i].rows);
+    }
+  } else {
+    OutputMatrix<T, 3> o(dx, 2);
+    MutMap<T> dst = map(o.mat());
+    dx_rows(dst, 0, dhpre.rows());
+    o.finish();
+  }
+}
+
 /// `kept`: the forward's activations (validated to match d), or null to recompute them.
 template <class T>
 void backward(const ProjectionConfig& cfg, const ProjectionDims& d, TensorView<const T, 3> x,
@@ -260,7 +362,6 @@ void backward(const ProjectionConfig& cfg, const ProjectionDims& d, TensorView<c
               TensorView<T, 3> dx, const DynamicWeightProjectionGrads<T>& grads,
               const Recomputed<T>* kept = nullptr) {
   ThreadScope threads(cfg.num_threads);
-  using A = acc_t<T>;
   RowMat<T> x_store;
   const RowBlocks<const T> xr = input_rows(x, x_store);
   const ParamMatrices<T> pm(p, d);
@@ -277,101 +378,16 @@ void backward(const ProjectionConfig& cfg, const ProjectionDims& d, TensorView<c
   const RowMat<T>& hpre = kept ? kept->hpre : r.hpre;
   const RowMat<T>& hidden = kept ? kept->hidden : r.hidden;
 
-  // Upstream gradients through the RMS norm and tanh; dw overwrites w and ddpre becomes
-  // d(ddpre) in place, row by row.
   const SplitViews<const T> g_in = by_split(dout);
-  const index_t N = d.rows(), L = d.L, G = d.G, R = d.R, M = d.M, K = d.K, W2 = 2 * R * M;
-  const A eps = static_cast<A>(cfg.eps);
+  const acc_t<T> eps = static_cast<acc_t<T>>(cfg.eps);
+  const index_t N = d.rows();
 #pragma omp parallel for schedule(static)
-  for (index_t n = 0; n < N; ++n) {
-    const index_t b = n / L, l = n % L;
-    T* wrow = r.w.data() + n * r.w.cols();
-    T* drow = r.ddpre.data() + n * r.ddpre.cols();
-    for (index_t g = 0; g < G; ++g) {
-      for (int c = 0; c < 4; ++c) {
-        const index_t gc = g * 4 + c;
-        T* w = wrow + gc * W2;
-        const TensorView<const T, 5>& v1 = g_in.w1[c];
-        const TensorView<const T, 5>& v2 = g_in.w2[c];
-        const T* dy1 = row_ptr(v1, b, l, g);
-        const T* dy2 = row_ptr(v2, b, l, g);
-        for (index_t ri = 0; ri < R; ++ri) {
-          // y = w / s with s = sqrt(mean(w^2) + eps): dw = (dy - y * mean(dy * y)) / s.
-          T* w1 = w + ri * M;
-          A ss = 0, dot = 0;
-          for (index_t m = 0; m < M; ++m) {
-            ss += A(w1[m]) * A(w1[m]);
-            dot += A(dy1[ri * v1.stride[3] + m * v1.stride[4]]) * A(w1[m]);
-          }
-          const A inv = A(1) / std::sqrt(ss / A(M) + eps);
-          const A mean_dy_y = dot * inv / A(M);
-          for (index_t m = 0; m < M; ++m) {
-            const A dy = dy1[ri * v1.stride[3] + m * v1.stride[4]];
-            const A y = A(w1[m]) * inv;
-            w1[m] = static_cast<T>((dy - y * mean_dy_y) * inv);
-          }
-          T* w2 = w + (R + ri) * M;
-          for (index_t m = 0; m < M; ++m) w2[m] = dy2[ri * v2.stride[3] + m * v2.stride[4]];
-        }
-        const TensorView<const T, 4>& vd = g_in.dd[c];
-        const T* ddy = row_ptr(vd, b, l, g);
-        T* dp = drow + gc * M;
-        for (index_t m = 0; m < M; ++m) {
-          const A t = std::tanh(A(dp[m]));
-          dp[m] = static_cast<T>(A(ddy[m * vd.stride[3]]) * (A(1) - t * t));
-        }
-      }
-    }
-  }
-
-  // Per (group, split): d(qkw) = hidden^T dw, then d(hidden) = dw qkw^T over the same block
-  // of `hidden`, which is no longer needed.
-  for (index_t g = 0; g < G; ++g)
-    for (index_t c = 0; c < 4; ++c) {
-      const index_t gc = g * 4 + c;
-      OutputMatrix<T, 3> gq(ParamMatrices<T>::qkw_block(grads.qkw, g, c), 1);
-      map(gq.mat()).noalias() =
-          hidden.middleCols(gc * K, K).transpose() * r.w.middleCols(gc * W2, W2);
-      gq.finish();
-      r.hidden.middleCols(gc * K, K).noalias() =
-          r.w.middleCols(gc * W2, W2) * map(pm.qkw[gc]).transpose();
-    }
-
-  {
-    const Gelu kind = cfg.gelu;
-    const T* pre = hpre.data();
-    T* dh = r.hidden.data();
-    const index_t total = r.hidden.size();
-#pragma omp parallel for schedule(static)
-    for (index_t i = 0; i < total; ++i) dh[i] = static_cast<T>(dh[i] * gelu_grad<T>(pre[i], kind));
-  }
-  const RowMat<T>& dhpre = r.hidden;
-  const RowMat<T>& dddpre = r.ddpre;
-
-  {
-    OutputMatrix<T, 4> gw(grads.dw1, 1);
-    rows_transpose_times(xr, dhpre, gw.mat());
-    gw.finish();
-    OutputMatrix<T, 3> gd(grads.dd, 1);
-    rows_transpose_times(xr, dddpre, gd.mat());
-    gd.finish();
-  }
-
-  auto dx_rows = [&](auto&& dst, index_t r0, index_t rows) {
-    dst.noalias() = dhpre.middleRows(r0, rows) * map(pm.dw1).transpose();
-    dst.noalias() += dddpre.middleRows(r0, rows) * map(pm.dd).transpose();
-  };
-  if (auto blocks = as_row_blocks(dx)) {
-    for (std::size_t i = 0; i < blocks->blocks.size(); ++i) {
-      MutMap<T> dst = map(blocks->blocks[i]);
-      dx_rows(dst, static_cast<index_t>(i) * blocks->block_rows, blocks->blocks[i].rows);
-    }
-  } else {
-    OutputMatrix<T, 3> o(dx, 2);
-    MutMap<T> dst = map(o.mat());
-    dx_rows(dst, 0, N);
-    o.finish();
-  }
+  for (index_t n = 0; n < N; ++n)
+    norm_and_tanh_backward_row(d, g_in, eps, n, r.w.data() + n * r.w.cols(),
+                               r.ddpre.data() + n * r.ddpre.cols());
+  lowrank_backward(d, hidden, pm, grads, r);
+  gelu_backward(cfg.gelu, hpre, r.hidden);
+  input_backward(xr, r.hidden, r.ddpre, pm, dx, grads);
 }
 
 }  // namespace dcmha::detail::projection
