@@ -19,7 +19,8 @@ BUILD_DIR="${BUILD_DIR:-build}"
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
 
 # make: cmake's default generator needs it, and Debian's cmake only recommends it.
-dcmha_require_packages cmake make g++ libeigen3-dev libgtest-dev libbenchmark-dev clang-format
+dcmha_require_packages cmake make g++ libeigen3-dev libgtest-dev libbenchmark-dev clang-format \
+  nlohmann-json3-dev
 
 # Every C++ file as .clang-format writes it (clang-format -i FILE... fixes one).
 step "format (clang-format $(clang-format --version | grep -o '[0-9][0-9.]*' | head -n 1))"
