@@ -58,17 +58,20 @@ trap 'rm -rf "$WORK"' EXIT
 step "install into $WORK/prefix"
 cmake --install "$BUILD_DIR" --prefix "$WORK/prefix"
 
-step "consumer via find_package(dcmha)"
+# The two consumers build side by side (one file each, so one core each); a failure shows its log.
+step "consumers via find_package(dcmha) and via add_subdirectory(dcmha)"
 cmake -S examples/consumer -B "$WORK/consumer" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$WORK/prefix"
-cmake --build "$WORK/consumer" -j "$JOBS"
-"$WORK/consumer/consumer"
-
-step "consumer via add_subdirectory(dcmha)"
+  -DCMAKE_PREFIX_PATH="$WORK/prefix" >/dev/null
 cmake -S examples/consumer -B "$WORK/consumer-subdir" -DCMAKE_BUILD_TYPE=Release \
-  -DDCMHA_SOURCE_DIR="$ROOT"
-cmake --build "$WORK/consumer-subdir" -j "$JOBS"
-"$WORK/consumer-subdir/consumer"
+  -DDCMHA_SOURCE_DIR="$ROOT" >/dev/null
+build_consumer() {  # build dir
+  cmake --build "$1" -j "$JOBS" >"$1.log" 2>&1 || { cat "$1.log"; return 1; }
+  "$1/consumer"
+}
+build_consumer "$WORK/consumer" &
+installed=$!
+build_consumer "$WORK/consumer-subdir"
+wait "$installed"
 
 # The safety net: the whole suite under AddressSanitizer + UBSan (scripts/sanitize.sh; the
 # ThreadSanitizer run takes longer than CI allows and runs by hand), then the fuzzer against the
