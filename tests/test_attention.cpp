@@ -10,13 +10,18 @@
 
 #include "reference/reference.hpp"
 #include "support/problem.hpp"
+#include "support/runs.hpp"
 
 namespace {
 
+using dcmha::test::bf16_problem;
 using dcmha::test::Layout;
 using dcmha::test::ProblemSpec;
+using dcmha::test::round_all;
+using dcmha::test::round_to_bf16;
 using dcmha::test::SideSpec;
 using dcmha::test::TypedProblem;
+using dcmha::test::with_gradients;
 
 template <class T>
 constexpr double tolerance() {
@@ -51,14 +56,6 @@ template <class T>
 void check_against_reference(const ProblemSpec& spec, uint64_t seed, int threads,
                              Layout layout = Layout::bhtd) {
   check_against_reference<T>(spec, seed, {threads}, layout);
-}
-
-/// `values` followed by every gradient of g, in named_gradients' order.
-std::vector<double> with_gradients(std::vector<double> values,
-                                   const dcmha::reference::Gradients& g) {
-  for (auto& [name, vec] : dcmha::test::named_gradients(g))
-    values.insert(values.end(), vec->begin(), vec->end());
-  return values;
 }
 
 /// The first index at which a and b differ bit for bit (or where the shorter one ends), -1 if
@@ -633,22 +630,6 @@ TYPED_TEST(AttentionVsReference, WorkspaceKeptBetweenCalls) {
 // on inputs that are bf16 values, every output and gradient must be exactly the float kernels'
 // result rounded to bf16: a stricter check than a tolerance, and one that covers every switch
 // and tile edge the float tests cover.
-
-double round_to_bf16(double x) {
-  return double(static_cast<float>(dcmha::bf16(static_cast<float>(x))));
-}
-
-void round_all(std::vector<double>& x) {
-  for (double& e : x) e = round_to_bf16(e);
-}
-
-/// p with every input rounded to a bf16 value (float and bf16 storage then hold the same values).
-dcmha::reference::Problem bf16_problem(dcmha::reference::Problem p) {
-  for (auto* x : {&p.q, &p.k, &p.v}) round_all(*x);
-  for (auto* c : {&p.pre, &p.post})
-    for (auto* x : {&c->w, &c->qw1, &c->qw2, &c->kw1, &c->kw2, &c->qdd, &c->kdd}) round_all(*x);
-  return p;
-}
 
 /// Every output (out, lse, gradients) of forward + backward, in a fixed order.
 template <class T>

@@ -1,7 +1,7 @@
 #pragma once
-// Helpers of the edge-case tests (test_numerics, test_concurrency): every result of a
-// forward + backward in one vector, per-sequence parts of it, bit-for-bit comparison, and
-// decoding a problem's tokens through a DecodeCache in steps of per-sequence counts.
+// Helpers of the edge-case and backend tests: every result of a forward + backward in one
+// vector, per-sequence parts of it, bit-for-bit comparison, bf16-valued problems, and decoding
+// a problem's tokens through a DecodeCache in steps of per-sequence counts.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +13,7 @@
 
 #include "dcmha/dcmha.hpp"
 #include "reference/reference.hpp"
+#include "support/decode_steps.hpp"
 #include "support/problem.hpp"
 
 namespace dcmha::test {
@@ -68,6 +69,32 @@ inline bool all_finite(const std::vector<double>& x) {
   return std::all_of(x.begin(), x.end(), [](double v) { return std::isfinite(v); });
 }
 
+/// `values` followed by every gradient of g, in named_gradients' order.
+inline std::vector<double> with_gradients(std::vector<double> values,
+                                          const dcmha::reference::Gradients& g) {
+  for (auto& [name, vec] : dcmha::test::named_gradients(g))
+    values.insert(values.end(), vec->begin(), vec->end());
+  return values;
+}
+
+// bf16 storage: float arithmetic on the widened values, results rounded once (config.hpp).
+
+inline double round_to_bf16(double x) {
+  return double(static_cast<float>(dcmha::bf16(static_cast<float>(x))));
+}
+
+inline void round_all(std::vector<double>& x) {
+  for (double& e : x) e = round_to_bf16(e);
+}
+
+/// p with every input rounded to a bf16 value (float and bf16 storage then hold the same values).
+inline dcmha::reference::Problem bf16_problem(dcmha::reference::Problem p) {
+  for (auto* x : {&p.q, &p.k, &p.v}) round_all(*x);
+  for (auto* c : {&p.pre, &p.post})
+    for (auto* x : {&c->w, &c->qw1, &c->qw2, &c->kw1, &c->kw2, &c->qdd, &c->kdd}) round_all(*x);
+  return p;
+}
+
 /// forward then backward of tp with cfg (tp.config() plus whatever the test changed).
 template <class T>
 void forward_backward(TypedProblem<T>& tp, const AttentionConfig& cfg, Workspace* ws = nullptr) {
@@ -106,201 +133,19 @@ inline std::vector<double> reference_lse(const reference::Problem& p) {
 // ---------------------------------------------------------------------------------------------
 // Decoding
 
-/// v restricted to [start, start + n) along dimension dim, in the same memory.
-template <class T, int N>
-TensorView<T, N> slice(TensorView<T, N> v, int dim, index_t start, index_t n) {
-  if (v.empty()) return v;
-  v.data += start * v.stride[dim];
-  v.shape[dim] = n;
-  return v;
-}
-
-/// A cache for p's keys: its sizes, window and key-wise switches (global layers hold `capacity`
-/// tokens per sequence).
-inline DecodeCacheConfig cache_config(const reference::Problem& p, index_t capacity,
-                                      index_t max_step) {
-  DecodeCacheConfig c;
-  c.B = p.B;
-  c.H = p.H;
-  c.Hk = p.Hk;
-  c.D = p.D;
-  c.Dv = p.Dv;
-  c.G = p.G;
-  c.pre_key_wise = p.pre.key_wise;
-  c.post_key_wise = p.post.key_wise;
-  c.Rk = p.pre.key_wise ? p.pre.Rk : p.post.key_wise ? p.post.Rk : 0;
-  c.window = p.window;
-  c.capacity = p.window > 0 ? 0 : capacity;
-  c.max_step = max_step;
-  return c;
-}
-
-/// decode()'s query side from the compose weights of a whole problem: the static W and the
-/// query-wise terms of queries [t0, t0 + n) (the cache supplies the key-wise ones).
-template <class T>
-ComposeWeights<T> query_side_of(const ComposeWeights<T>& cw, index_t t0, index_t n) {
-  ComposeWeights<T> out;
-  for (int s = 0; s < 2; ++s) {
-    const ComposeTerms<T>& c = s == 0 ? cw.pre : cw.post;
-    ComposeTerms<T>& q = s == 0 ? out.pre : out.post;
-    q.static_w = c.static_w;
-    q.w = c.w;
-    q.query_wise = c.query_wise;
-    q.qw1 = slice(c.qw1, 1, t0, n);
-    q.qw2 = slice(c.qw2, 1, t0, n);
-    q.qdd = slice(c.qdd, 1, t0, n);
-  }
-  return out;
-}
-
-/// DecodeCache::append()'s key side: the key-wise terms of keys [s0, s0 + n).
-template <class T>
-ComposeWeights<T> key_side_of(const ComposeWeights<T>& cw, index_t s0, index_t n) {
-  ComposeWeights<T> out;
-  for (int s = 0; s < 2; ++s) {
-    const ComposeTerms<T>& c = s == 0 ? cw.pre : cw.post;
-    ComposeTerms<T>& k = s == 0 ? out.pre : out.post;
-    k.key_wise = c.key_wise;
-    k.kw1 = slice(c.kw1, 1, s0, n);
-    k.kw2 = slice(c.kw2, 1, s0, n);
-    k.kdd = slice(c.kdd, 1, s0, n);
-  }
-  return out;
-}
-
-/// Tokens [start[b], start[b] + count[b]) of every sequence b of a canonical tensor whose dim
-/// `td` is the token dim, packed to the front of a tensor with n tokens; the rest is `fill`.
-template <class T>
-std::vector<T> gather_tokens(const std::vector<double>& src, const std::vector<int64_t>& shape,
-                             int td, const std::vector<int64_t>& start,
-                             const std::vector<int64_t>& count, int64_t n, double fill) {
-  std::vector<int64_t> out_shape = shape;
-  out_shape[size_t(td)] = n;
-  int64_t total = 1;
-  for (int64_t s : out_shape) total *= s;
-  std::vector<T> out(static_cast<size_t>(total), T(fill));
-  std::vector<int64_t> idx(shape.size(), 0);
-  for (int64_t flat = 0; flat < total; ++flat) {
-    const int64_t b = idx[0], i = idx[size_t(td)];
-    if (i < count[size_t(b)]) {
-      int64_t off = 0;
-      for (size_t d = 0; d < shape.size(); ++d)
-        off = off * shape[d] + (int(d) == td ? start[size_t(b)] + i : idx[d]);
-      out[size_t(flat)] = T(src[size_t(off)]);
-    }
-    for (int d = int(shape.size()) - 1; d >= 0; --d) {
-      if (++idx[size_t(d)] < out_shape[size_t(d)]) break;
-      idx[size_t(d)] = 0;
-    }
-  }
-  return out;
-}
-
-/// Per step, how many new tokens each sequence appends.
-using DecodeSchedule = std::vector<std::vector<int64_t>>;
-
-/// Every sequence: `prefill` tokens, then `step` at a time up to `length`.
-inline DecodeSchedule uniform_schedule(int64_t B, int64_t length, int64_t prefill, int64_t step) {
-  DecodeSchedule s{std::vector<int64_t>(size_t(B), std::min(prefill, length))};
-  for (int64_t done = s[0][0]; done < length; done += step)
-    s.push_back(std::vector<int64_t>(size_t(B), std::min(step, length - done)));
-  return s;
-}
-
-/// Decodes p's tokens (self-attention: T == S, token i is query i and key i) through `cache`
-/// (freshly reset) step by step; returns each step's out (B, H, n, Dv) row-major, n the step's
-/// largest count. Everything a step does not hand the cache or kernel (the padding tokens of a
-/// sequence with a smaller count) is NaN, so that reading it shows.
+/// decode_steps_with through a DecodeCache and decode().
 template <class T>
 std::vector<std::vector<double>> decode_steps(const reference::Problem& p, DecodeCache<T>& cache,
                                               const DecodeSchedule& schedule,
                                               const AttentionConfig& cfg, Workspace* ws = nullptr) {
-  const int64_t B = p.B, H = p.H, Hk = p.Hk, L = p.T, D = p.D, Dv = p.Dv, G = p.G, M = H / G;
-  const double nan = std::numeric_limits<double>::quiet_NaN();
   cache.reset();
-  std::vector<int64_t> done(size_t(B), 0);
-  std::vector<std::vector<double>> outs;
-  for (const std::vector<int64_t>& count : schedule) {
-    const int64_t n = std::max<int64_t>(1, *std::max_element(count.begin(), count.end()));
-    std::vector<T> q = gather_tokens<T>(p.q, {B, H, L, D}, 2, done, count, n, nan);
-    std::vector<T> k = gather_tokens<T>(p.k, {B, Hk, L, D}, 2, done, count, n, nan);
-    std::vector<T> v = gather_tokens<T>(p.v, {B, Hk, L, Dv}, 2, done, count, n, nan);
-    std::vector<T> out(size_t(B * H * n * Dv), T(nan));
-    std::vector<std::vector<T>> keep;  // this step's compose buffers
-    keep.reserve(32);
-    auto lowrank = [&](const std::vector<double>& x, int64_t R) {
-      keep.push_back(gather_tokens<T>(x, {B, L, G, R, M}, 1, done, count, n, nan));
-      return view<5>(static_cast<const T*>(keep.back().data()), {B, n, G, R, M});
-    };
-    auto gate = [&](const std::vector<double>& x) {
-      keep.push_back(gather_tokens<T>(x, {B, L, G, M}, 1, done, count, n, nan));
-      return view<4>(static_cast<const T*>(keep.back().data()), {B, n, G, M});
-    };
-    ComposeWeights<T> query_side, key_side;
-    for (int s = 0; s < 2; ++s) {
-      const reference::ComposeSide& c = s == 0 ? p.pre : p.post;
-      ComposeTerms<T>& qs = s == 0 ? query_side.pre : query_side.post;
-      ComposeTerms<T>& ks = s == 0 ? key_side.pre : key_side.post;
-      if (c.static_w) {
-        qs.static_w = true;
-        keep.emplace_back(c.w.begin(), c.w.end());
-        qs.w = view<3>(static_cast<const T*>(keep.back().data()), {G, M, M});
-      }
-      if (c.query_wise) {
-        qs.query_wise = true;
-        qs.qw1 = lowrank(c.qw1, c.Rq);
-        qs.qw2 = lowrank(c.qw2, c.Rq);
-        qs.qdd = gate(c.qdd);
-      }
-      if (c.key_wise) {
-        ks.key_wise = true;
-        ks.kw1 = lowrank(c.kw1, c.Rk);
-        ks.kw2 = lowrank(c.kw2, c.Rk);
-        ks.kdd = gate(c.kdd);
-      }
-    }
-    cache.append(bhtd(static_cast<const T*>(k.data()), B, Hk, n, D),
-                 bhtd(static_cast<const T*>(v.data()), B, Hk, n, Dv), key_side,
-                 view<1>(static_cast<const index_t*>(count.data()), {B}));
+  return decode_steps_with<T>(p, schedule, [&](const DecodeStepTensors<T>& x) {
+    cache.append(x.k, x.v, x.key_side, x.counts);
     if (ws)
-      decode(cfg, bhtd(static_cast<const T*>(q.data()), B, H, n, D), cache, query_side,
-             bhtd(out.data(), B, H, n, Dv), *ws);
+      decode(cfg, x.q, cache, x.query_side, x.out, *ws);
     else
-      decode(cfg, bhtd(static_cast<const T*>(q.data()), B, H, n, D), cache, query_side,
-             bhtd(out.data(), B, H, n, Dv));
-    outs.emplace_back(out.begin(), out.end());
-    for (int64_t b = 0; b < B; ++b) done[size_t(b)] += count[size_t(b)];
-  }
-  return outs;
-}
-
-/// Decode's rows placed at their token positions, (B, H, T, Dv) row-major; rows past a
-/// sequence's tokens are 0. `padding_nonzero` counts padding rows (beyond a step's count) that
-/// were not exactly 0.
-inline std::vector<double> assemble_rows(const reference::Problem& p,
-                                         const DecodeSchedule& schedule,
-                                         const std::vector<std::vector<double>>& outs,
-                                         int64_t& padding_nonzero) {
-  const int64_t B = p.B, H = p.H, L = p.T, Dv = p.Dv;
-  std::vector<double> rows(size_t(B * H * L * Dv), 0.0);
-  std::vector<int64_t> done(size_t(B), 0);
-  padding_nonzero = 0;
-  for (size_t step = 0; step < schedule.size(); ++step) {
-    const std::vector<int64_t>& count = schedule[step];
-    const int64_t n = int64_t(outs[step].size()) / (B * H * Dv);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t h = 0; h < H; ++h)
-        for (int64_t i = 0; i < n; ++i)
-          for (int64_t e = 0; e < Dv; ++e) {
-            const double x = outs[step][size_t(((b * H + h) * n + i) * Dv + e)];
-            if (i < count[size_t(b)])
-              rows[size_t(((b * H + h) * L + done[size_t(b)] + i) * Dv + e)] = x;
-            else if (!(x == 0.0))
-              ++padding_nonzero;
-          }
-    for (int64_t b = 0; b < B; ++b) done[size_t(b)] += count[size_t(b)];
-  }
-  return rows;
+      decode(cfg, x.q, cache, x.query_side, x.out);
+  });
 }
 
 }  // namespace dcmha::test

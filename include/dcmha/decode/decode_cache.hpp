@@ -174,31 +174,36 @@ class DecodeCache {
   /// Checks everything before writing anything: a rejected call leaves the cache unchanged.
   void append(TensorView<const T, 4> k_new, TensorView<const T, 4> v_new,
               const ComposeWeights<T>& key_side = {}, TensorView<const index_t, 1> counts = {}) {
-    const char* fn = "dcmha::DecodeCache::append";
-    index_t n = 0;  // validation allocates (names in messages); the copies below do not
-    detail::with_allocation_errors(
-        fn, [&] { n = validate_append(fn, k_new, v_new, key_side, counts); });
-    auto count = [&](index_t b) { return counts.empty() ? n : counts(b); };
+    append_rows("dcmha::DecodeCache::append", k_new, v_new, key_side, counts,
+                [&](index_t n, const index_t* lengths, const index_t* step_counts) {
+                  (void)n;
+                  for (index_t b = 0; b < cfg_.B; ++b)
+                    for (index_t i = 0; i < step_counts[b]; ++i)
+                      store_token(k_new, v_new, key_side, b, i, (lengths[b] + i) % lay_.cap);
+                });
+  }
 
-    const index_t B = cfg_.B, Hk = cfg_.Hk, D = cfg_.D, Dv = cfg_.Dv, cap = lay_.cap;
-    for (index_t b = 0; b < B; ++b) {
-      const index_t nb = count(b), len = length_[static_cast<std::size_t>(b)];
-      for (index_t i = 0; i < nb; ++i) {
-        const index_t p = (len + i) % cap;
-        for (index_t h = 0; h < Hk; ++h) {
-          copy_row(k_new, b, h, i, D, data_ + lay_.k + ((b * Hk + h) * cap + p) * D);
-          copy_row(v_new, b, h, i, Dv, data_ + lay_.v + ((b * Hk + h) * cap + p) * Dv);
-        }
-        for (int side = 0; side < 2; ++side) {
-          if (!lay_.side[side].on) continue;
-          const ComposeTerms<T>& c = side == 0 ? key_side.pre : key_side.post;
-          store_key_wise(lay_.side[side], c, b, i, p);
-        }
-      }
-    }
-    for (index_t b = 0; b < B; ++b) {
-      length_[static_cast<std::size_t>(b)] += count(b);
-      last_count_[static_cast<std::size_t>(b)] = count(b);
+  /// append() with the copy left to the caller (a backend whose slots live elsewhere, e.g. on a
+  /// GPU): validates exactly as append(), calls copy_rows(n, lengths, counts), where token i <
+  /// counts[b] of sequence b belongs in slot (lengths[b] + i) % capacity(), then records the
+  /// tokens. Nothing is recorded when the checks or copy_rows throw.
+  template <class CopyRows>
+  void append_rows(const char* fn, TensorView<const T, 4> k_new, TensorView<const T, 4> v_new,
+                   const ComposeWeights<T>& key_side, TensorView<const index_t, 1> counts,
+                   CopyRows&& copy_rows) {
+    index_t n = 0;
+    std::vector<index_t> step_counts;
+    detail::with_allocation_errors(fn, [&] {  // validation allocates (names in messages)
+      n = validate_append(fn, k_new, v_new, key_side, counts);
+      step_counts.resize(static_cast<std::size_t>(cfg_.B));
+    });
+    for (index_t b = 0; b < cfg_.B; ++b)
+      step_counts[static_cast<std::size_t>(b)] = counts.empty() ? n : counts(b);
+    copy_rows(n, static_cast<const index_t*>(length_.data()),
+              static_cast<const index_t*>(step_counts.data()));
+    for (index_t b = 0; b < cfg_.B; ++b) {
+      length_[static_cast<std::size_t>(b)] += step_counts[static_cast<std::size_t>(b)];
+      last_count_[static_cast<std::size_t>(b)] = step_counts[static_cast<std::size_t>(b)];
     }
     last_n_ = n;
   }
@@ -290,6 +295,19 @@ class DecodeCache {
     const index_t G = cfg_.G, R = cfg_.Rk, M = cfg_.H / G, cap = lay_.cap;
     return view<5>(data_ + (which == 0 ? s.kw1 : s.kw2), {cfg_.B, cap, G, R, M},
                    {G * R * M * cap, 1, R * M * cap, M * cap, cap});
+  }
+
+  /// Token i of sequence b into slot p: its K and V rows and key-wise terms.
+  void store_token(const TensorView<const T, 4>& k_new, const TensorView<const T, 4>& v_new,
+                   const ComposeWeights<T>& key_side, index_t b, index_t i, index_t p) {
+    const index_t Hk = cfg_.Hk, D = cfg_.D, Dv = cfg_.Dv, cap = lay_.cap;
+    for (index_t h = 0; h < Hk; ++h) {
+      copy_row(k_new, b, h, i, D, data_ + lay_.k + ((b * Hk + h) * cap + p) * D);
+      copy_row(v_new, b, h, i, Dv, data_ + lay_.v + ((b * Hk + h) * cap + p) * Dv);
+    }
+    for (int side = 0; side < 2; ++side)
+      if (lay_.side[side].on)
+        store_key_wise(lay_.side[side], side == 0 ? key_side.pre : key_side.post, b, i, p);
   }
 
   static void copy_row(const TensorView<const T, 4>& src, index_t b, index_t h, index_t i,
