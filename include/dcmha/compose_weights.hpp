@@ -25,7 +25,7 @@ struct ComposeTerms {
   TensorView<const T, 4> qdd, kdd;
 
   /// With every term off Compose is the identity (the residual).
-  bool enabled() const { return static_w || query_wise || key_wise; }
+  DCMHA_HOST_DEVICE bool enabled() const { return static_w || query_wise || key_wise; }
 };
 
 /// Pre-softmax (on scores) and post-softmax (on probabilities) compose. Default-constructed:
@@ -33,7 +33,7 @@ struct ComposeTerms {
 template <class T>
 struct ComposeWeights {
   ComposeTerms<T> pre, post;
-  bool enabled() const { return pre.enabled() || post.enabled(); }
+  DCMHA_HOST_DEVICE bool enabled() const { return pre.enabled() || post.enabled(); }
 };
 
 /// Gradients of one side's compose inputs, same logical shapes as ComposeTerms. Every tensor

@@ -33,7 +33,9 @@ struct KeyRing {
   index_t capacity = 0;
   TensorView<const index_t, 1> start;
 
-  index_t slot(index_t b, index_t s) const { return capacity ? (start(b) + s) % capacity : s; }
+  DCMHA_HOST_DEVICE index_t slot(index_t b, index_t s) const {
+    return capacity ? (start(b) + s) % capacity : s;
+  }
 
   /// Calls f(logical_begin, slot_begin, count) for each run of consecutive slots covering
   /// logical keys [s0, s1): one run, or two where the ring wraps.

@@ -8,6 +8,14 @@
 #include <cstdint>
 #include <type_traits>
 
+// Functions the CUDA kernels call on the shared structs (cuda/) are host and device functions
+// under nvcc, plain functions elsewhere.
+#if defined(__CUDACC__)
+#define DCMHA_HOST_DEVICE __host__ __device__
+#else
+#define DCMHA_HOST_DEVICE
+#endif
+
 namespace dcmha {
 
 using index_t = std::int64_t;
@@ -27,8 +35,8 @@ struct TensorView {
 
   /// An empty view (data == nullptr) means "not given": a switched-off compose term, or an
   /// optional output the caller does not want.
-  bool empty() const { return data == nullptr; }
-  index_t size(int d) const { return shape[d]; }
+  DCMHA_HOST_DEVICE bool empty() const { return data == nullptr; }
+  DCMHA_HOST_DEVICE index_t size(int d) const { return shape[d]; }
   index_t numel() const {
     index_t n = 1;
     for (int d = 0; d < N; ++d) n *= shape[d];
@@ -36,7 +44,7 @@ struct TensorView {
   }
 
   template <class... I>
-  T& operator()(I... i) const {
+  DCMHA_HOST_DEVICE T& operator()(I... i) const {
     static_assert(sizeof...(I) == N, "wrong number of indices");
     const index_t idx[N] = {static_cast<index_t>(i)...};
     index_t off = 0;

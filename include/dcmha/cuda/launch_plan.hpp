@@ -1,0 +1,146 @@
+#pragma once
+// How a call is cut into blocks: the tile geometry each kernel runs with, its shared memory and
+// its grid. One plan serves the GPU launches (runtime.hpp) and the host execution (emulate.hpp),
+// so both run the same tiles.
+#include <algorithm>
+
+#include "../error.hpp"
+#include "backward_kernel.hpp"
+#include "forward_kernel.hpp"
+
+namespace dcmha::cuda {
+
+/// Shared memory a block may use: within what sm_80 (164 KiB) and sm_90 (227 KiB) give one
+/// block after opting in, leaving room for a second block per multiprocessor on sm_90.
+constexpr index_t kSharedMemoryBudget = 96 * 1024;
+/// Keys per step and threads per block unless the caller's LaunchOptions say otherwise.
+constexpr index_t kDefaultKeysPerStep = 32;
+constexpr int kDefaultThreads = 128;
+
+/// Overrides for tests and tuning: 0 keeps the planned value.
+struct LaunchOptions {
+  int threads = 0;
+  index_t rows = 0;  // query rows per block
+  index_t keys = 0;  // keys per step
+};
+
+struct Grid3 {
+  index_t x = 1, y = 1, z = 1;
+};
+
+struct KernelLaunch {
+  TileGeometry geo;
+  int threads = kDefaultThreads;
+  index_t shared_bytes = 0;
+  Grid3 grid;
+};
+
+template <class T>
+index_t largest_rank(const ComposeWeights<T>& c) {
+  return std::max({query_rank(c.pre), key_rank(c.pre), query_rank(c.post), key_rank(c.post)});
+}
+
+/// The largest power-of-two row count up to 16 (and up to T) whose shared memory fits the
+/// budget; throws when even one row does not.
+template <class Shared>
+TileGeometry fit_rows(const char* fn, TileGeometry geo, index_t T, const LaunchOptions& opt) {
+  if (opt.rows > 0) {
+    geo.rows = opt.rows;
+    return geo;
+  }
+  index_t rows = 16;
+  while (rows > 1 && rows / 2 >= T) rows /= 2;
+  for (; rows >= 1; rows /= 2) {
+    geo.rows = rows;
+    if (shared_bytes<Shared>(geo) <= kSharedMemoryBudget) return geo;
+  }
+  detail::fail(fn, ": the problem needs ", shared_bytes<Shared>(geo),
+               " bytes of shared memory per ", "block (M = ", geo.M,
+               " heads per group, D = ", geo.D, ", Dv = ", geo.Dv, "), expected at most ",
+               kSharedMemoryBudget);
+  return geo;
+}
+
+template <class T>
+TileGeometry base_geometry(const detail::QkvParams<T>& p, const LaunchOptions& opt) {
+  TileGeometry geo;
+  geo.M = p.dims.M;
+  geo.D = p.dims.D;
+  geo.Dv = p.dims.Dv;
+  geo.rank = largest_rank(p.compose);
+  geo.keys = opt.keys > 0 ? opt.keys : std::min<index_t>(kDefaultKeysPerStep, p.dims.S);
+  return geo;
+}
+
+template <class Shared>
+KernelLaunch finish_launch(const TileGeometry& geo, const LaunchOptions& opt, Grid3 grid) {
+  KernelLaunch l;
+  l.geo = geo;
+  l.threads = opt.threads > 0 ? opt.threads : kDefaultThreads;
+  l.shared_bytes = shared_bytes<Shared>(geo);
+  l.grid = grid;
+  return l;
+}
+
+/// Forward: one block per (query tile, group, sequence).
+template <class T>
+KernelLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
+                            const LaunchOptions& opt = {}) {
+  using Shared = ForwardShared<acc_t<T>>;
+  const TileGeometry geo = fit_rows<Shared>(fn, base_geometry(p, opt), p.dims.T, opt);
+  const index_t tiles = (p.dims.T + geo.rows - 1) / geo.rows;
+  return finish_launch<Shared>(geo, opt, {tiles, p.dims.G, p.dims.B});
+}
+
+/// Backward: the query side's launch (one block per query tile, group, sequence), the key
+/// side's (one per key tile, sequence) and the static sums' (one per side, group), which share
+/// one geometry so that the key side walks the query side's tiles.
+struct BackwardLaunch {
+  KernelLaunch query, key, static_sums;
+};
+
+template <class T>
+BackwardLaunch backward_launch(const char* fn, const detail::BackwardParams<T>& p,
+                               const LaunchOptions& opt = {}) {
+  using A = acc_t<T>;
+  TileGeometry geo = fit_rows<QueryGradShared<A>>(fn, base_geometry(p, opt), p.dims.T, opt);
+  if (shared_bytes<KeyGradShared<A>>(geo) > kSharedMemoryBudget)
+    detail::fail(fn, ": the key side needs ", shared_bytes<KeyGradShared<A>>(geo),
+                 " bytes of shared memory per block, expected at most ", kSharedMemoryBudget);
+  const index_t query_tiles = (p.dims.T + geo.rows - 1) / geo.rows;
+  const index_t key_tiles = (p.dims.S + geo.keys - 1) / geo.keys;
+  BackwardLaunch l;
+  l.query = finish_launch<QueryGradShared<A>>(geo, opt, {query_tiles, p.dims.G, p.dims.B});
+  l.key = finish_launch<KeyGradShared<A>>(geo, opt, {key_tiles, p.dims.B, 1});
+  l.static_sums = finish_launch<QueryGradShared<A>>(geo, opt, {2, p.dims.G, 1});
+  l.static_sums.shared_bytes = 0;
+  return l;
+}
+
+/// Elements of each backward scratch array.
+struct BackwardScratchSizes {
+  index_t row_dot = 0, dk = 0, dv = 0, static_partials = 0;
+  index_t total() const { return row_dot + dk + dv + static_partials; }
+};
+
+inline BackwardScratchSizes backward_scratch_sizes(const detail::AttentionDims& d,
+                                                   const BackwardLaunch& l) {
+  BackwardScratchSizes s;
+  s.row_dot = d.B * d.H * d.T;
+  s.dk = d.B * d.Hk * d.S * d.D;
+  s.dv = d.B * d.Hk * d.S * d.Dv;
+  s.static_partials = l.query.grid.x * l.query.grid.y * l.query.grid.z * 2 * d.M * d.M;
+  return s;
+}
+
+template <class A>
+BackwardScratch<A> carve_scratch(A* base, const BackwardScratchSizes& s) {
+  BackwardScratch<A> scratch;
+  scratch.row_dot = base;
+  scratch.dk = scratch.row_dot + s.row_dot;
+  scratch.dv = scratch.dk + s.dk;
+  scratch.static_partials = scratch.dv + s.dv;
+  return scratch;
+}
+
+}  // namespace dcmha::cuda

@@ -1,0 +1,104 @@
+#pragma once
+// A kernel body (simt.hpp) executed on the host: each block's threads are real host threads that
+// meet at a real barrier for sync(), and the block's shared memory is one buffer they share. The
+// indexing, masking, synchronization and arithmetic of the CUDA kernels thus run, unchanged, on
+// any machine; a missing sync() shows up as a race between threads that truly run concurrently.
+// Shared memory is filled with NaN before each block, so a read of a value no thread wrote poisons
+// the result instead of passing by luck.
+//
+// For tests and for CI without a GPU: one launch at a time, blocks in grid order.
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "simt.hpp"
+
+namespace dcmha::cuda::host {
+
+/// A reusable barrier for a fixed number of threads (std::barrier is C++20).
+class Barrier {
+ public:
+  explicit Barrier(int count) : count_(count) {}
+  void arrive_and_wait() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const std::uint64_t generation = generation_;
+    if (++arrived_ == count_) {
+      arrived_ = 0;
+      ++generation_;
+      released_.notify_all();
+      return;
+    }
+    released_.wait(lock, [&] { return generation_ != generation; });
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable released_;
+  int count_, arrived_ = 0;
+  std::uint64_t generation_ = 0;
+};
+
+struct Grid {
+  index_t x = 1, y = 1, z = 1;
+};
+
+/// What one host thread sees of its block.
+class HostBlock {
+ public:
+  HostBlock(int thread, int threads, Barrier& barrier, double* shared)
+      : thread_(thread), threads_(threads), barrier_(&barrier), shared_(shared) {}
+  int thread() const { return thread_; }
+  int threads() const { return threads_; }
+  index_t block(int axis) const { return index_[axis]; }
+  void sync() const { barrier_->arrive_and_wait(); }
+  void* shared() const { return shared_; }
+  void at(index_t x, index_t y, index_t z) { index_[0] = x, index_[1] = y, index_[2] = z; }
+
+ private:
+  int thread_, threads_;
+  Barrier* barrier_;
+  double* shared_;
+  index_t index_[3] = {0, 0, 0};
+};
+
+/// Runs body(blk) for every thread of every block of grid, `threads` threads per block and
+/// `shared_bytes` of shared memory, as kernel<<<grid, threads, shared_bytes>>> would.
+template <class Body>
+void launch(Grid grid, int threads, std::size_t shared_bytes, Body body) {
+  std::vector<double> shared((shared_bytes + sizeof(double) - 1) / sizeof(double));
+  Barrier barrier(threads);
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
+  auto run = [&](int thread) {
+    HostBlock blk(thread, threads, barrier, shared.data());
+    for (index_t z = 0; z < grid.z; ++z)
+      for (index_t y = 0; y < grid.y; ++y)
+        for (index_t x = 0; x < grid.x; ++x) {
+          if (thread == 0) {  // NaN as a float and, in pairs, as a double
+            auto* words = reinterpret_cast<std::uint32_t*>(shared.data());
+            for (std::size_t i = 0; i < shared.size() * 2; ++i) words[i] = 0x7ff80000u;
+          }
+          blk.at(x, y, z);
+          barrier.arrive_and_wait();
+          try {
+            body(blk);
+          } catch (...) {
+            std::lock_guard<std::mutex> lock(failure_mutex);
+            if (!failure) failure = std::current_exception();
+          }
+          barrier.arrive_and_wait();
+        }
+  };
+  std::vector<std::thread> team;
+  team.reserve(static_cast<std::size_t>(threads));
+  for (int t = 0; t < threads; ++t) team.emplace_back(run, t);
+  for (auto& t : team) t.join();
+  if (failure) std::rethrow_exception(failure);
+}
+
+}  // namespace dcmha::cuda::host

@@ -1,0 +1,350 @@
+// The CUDA backend's kernel source (include/dcmha/cuda/) executed on the host: each block's
+// threads are host threads meeting at real barriers (cuda/simt_host.hpp). Every output and
+// gradient is compared with the test reference over every compose switch, GQA, groups, masks,
+// windows, per-sequence lengths, S != T and the tile edges; bf16 storage against the float
+// kernels rounded; and the backward is checked bitwise from run to run.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <dcmha/cuda/emulate.hpp>
+
+#include "reference/reference.hpp"
+#include "support/problem.hpp"
+#include "support/runs.hpp"
+
+namespace {
+
+using dcmha::cuda::LaunchOptions;
+using dcmha::test::ProblemSpec;
+using dcmha::test::SideSpec;
+using dcmha::test::TypedProblem;
+
+template <class T>
+constexpr double tolerance() {
+  return std::is_same_v<T, double> ? 1e-9 : 2e-4;
+}
+
+/// One emulated case: the problem, per-sequence lengths (empty: none) and the launch's tiles.
+struct Case {
+  ProblemSpec spec;
+  std::vector<int64_t> query_lengths, key_lengths;
+  LaunchOptions launch;
+  std::string str() const {
+    return spec.str() + " threads=" + std::to_string(launch.threads) +
+           " rows=" + std::to_string(launch.rows) + " keys=" + std::to_string(launch.keys) +
+           (query_lengths.empty() ? "" : " lengths");
+  }
+};
+
+template <class T>
+struct EmulatedRun {
+  TypedProblem<T> tp;
+  dcmha::AttentionConfig cfg;
+
+  EmulatedRun(const Case& c, const dcmha::reference::Problem& p, const std::vector<double>& dout)
+      : tp(p), cfg(tp.config()) {
+    tp.set_dout(dout);
+    if (!c.query_lengths.empty()) {
+      cfg.query_lengths = dcmha::view<1>(c.query_lengths.data(), {p.B});
+      cfg.key_lengths = dcmha::view<1>(c.key_lengths.data(), {p.B});
+    }
+  }
+  void forward(const LaunchOptions& launch) {
+    dcmha::cuda::emulate::forward<T>(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose(),
+                                     launch);
+  }
+  void backward(const LaunchOptions& launch) {
+    dcmha::cuda::emulate::backward<T>(cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(),
+                                      tp.dk(), tp.dv(), tp.compose(), tp.dcompose(), launch);
+  }
+};
+
+dcmha::reference::Problem problem_of(const Case& c, uint64_t seed) {
+  dcmha::reference::Problem p = dcmha::test::random_problem(c.spec, seed);
+  p.query_lengths = c.query_lengths;
+  p.key_lengths = c.key_lengths;
+  return p;
+}
+
+/// NaN in every padding row and key of x, a (B, L, inner...) tensor of `inner` values per
+/// position, beyond lengths[b] of L: what the kernels must never read.
+void poison(std::vector<double>& x, int64_t B, int64_t heads, int64_t L, int64_t inner,
+            const std::vector<int64_t>& lengths, bool heads_first) {
+  if (x.empty()) return;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t l = lengths[size_t(b)]; l < L; ++l)
+        for (int64_t i = 0; i < inner; ++i) {
+          const int64_t at = heads_first ? ((b * heads + h) * L + l) * inner + i
+                                         : ((b * L + l) * heads + h) * inner + i;
+          x[size_t(at)] = NAN;
+        }
+}
+
+/// p and dout with NaN wherever per-sequence lengths make padding.
+void poison_padding(dcmha::reference::Problem& p, std::vector<double>& dout) {
+  if (p.query_lengths.empty()) return;
+  const int64_t M = p.H / p.G;
+  poison(p.q, p.B, p.H, p.T, p.D, p.query_lengths, true);
+  poison(dout, p.B, p.H, p.T, p.Dv, p.query_lengths, true);
+  poison(p.k, p.B, p.Hk, p.S, p.D, p.key_lengths, true);
+  poison(p.v, p.B, p.Hk, p.S, p.Dv, p.key_lengths, true);
+  for (dcmha::reference::ComposeSide* c : {&p.pre, &p.post}) {
+    for (auto* x : {&c->qw1, &c->qw2})
+      poison(*x, p.B, 1, p.T, p.G * c->Rq * M, p.query_lengths, false);
+    poison(c->qdd, p.B, 1, p.T, p.G * M, p.query_lengths, false);
+    for (auto* x : {&c->kw1, &c->kw2})
+      poison(*x, p.B, 1, p.S, p.G * c->Rk * M, p.key_lengths, false);
+    poison(c->kdd, p.B, 1, p.S, p.G * M, p.key_lengths, false);
+  }
+}
+
+template <class T>
+void check_case(const Case& c, uint64_t seed) {
+  SCOPED_TRACE(c.str() + " seed=" + std::to_string(seed));
+  const dcmha::reference::Problem clean = problem_of(c, seed);
+  const std::vector<double> clean_dout = dcmha::test::random_dout(clean, seed);
+  const auto [expected_out, expected] = dcmha::reference::forward_and_backward(clean, clean_dout);
+  // The kernels see NaN in the padding (with lengths); the reference never reads it either.
+  dcmha::reference::Problem p = clean;
+  std::vector<double> dout = clean_dout;
+  poison_padding(p, dout);
+  EmulatedRun<T> run(c, p, dout);
+  run.forward(c.launch);
+  EXPECT_LE(dcmha::test::max_rel_error(expected_out, run.tp.out_values()), tolerance<T>()) << "out";
+  const std::vector<double> lse = dcmha::test::reference_lse(clean);
+  const std::vector<double> got_lse = run.tp.lse_values();
+  for (size_t i = 0; i < lse.size(); ++i)
+    if (std::isinf(lse[i]))
+      ASSERT_TRUE(std::isinf(got_lse[i]) && got_lse[i] < 0) << "lse " << i;
+    else
+      ASSERT_NEAR(got_lse[i], lse[i], tolerance<T>() * (1 + std::abs(lse[i]))) << "lse " << i;
+  run.backward(c.launch);
+  for (const auto& e : dcmha::test::gradient_errors(expected, run.tp.gradients()))
+    EXPECT_LE(e.rel, tolerance<T>()) << e.name;
+}
+
+Case small(ProblemSpec spec, int threads, int64_t rows, int64_t keys) {
+  Case c;
+  c.spec = spec;
+  c.launch.threads = threads;
+  c.launch.rows = rows;
+  c.launch.keys = keys;
+  return c;
+}
+
+/// The shapes most cases start from: two groups, GQA, S != T, and tiles of 2 rows x 4 keys, so
+/// that a handful of tokens crosses several tiles and ends in partial ones.
+ProblemSpec base_spec() {
+  ProblemSpec s;
+  s.B = 2, s.H = 4, s.Hk = 2, s.T = 7, s.S = 9, s.D = 5, s.Dv = 3, s.G = 2, s.Rq = 2, s.Rk = 1;
+  s.causal = true;
+  return s;
+}
+
+TEST(CudaKernelsEmulated, EverySwitchAgainstTheReference) {
+  ProblemSpec s = base_spec();
+  const SideSpec sides[] = {SideSpec::none(),     SideSpec::all(),      SideSpec::dynamic(),
+                            {true, false, false}, {false, true, false}, {false, false, true}};
+  uint64_t seed = 1;
+  for (const SideSpec& pre : sides)
+    for (const SideSpec& post : {SideSpec::none(), SideSpec::all(), pre}) {
+      s.pre = pre;
+      s.post = post;
+      check_case<double>(small(s, 16, 2, 4), seed++);
+    }
+}
+
+TEST(CudaKernelsEmulated, MasksAndWindows) {
+  ProblemSpec s = base_spec();
+  struct Mask {
+    bool causal;
+    int64_t window, T, S;
+  };
+  // S < T with causal: the first rows see no key (lse -inf, zero output and gradients).
+  const Mask masks[] = {{false, 0, 7, 9}, {true, 0, 9, 6}, {true, 3, 7, 9},
+                        {false, 2, 8, 8}, {true, 1, 5, 5}, {true, 20, 6, 11}};
+  uint64_t seed = 100;
+  for (const Mask& m : masks) {
+    s.causal = m.causal, s.window = m.window, s.T = m.T, s.S = m.S;
+    check_case<double>(small(s, 8, 2, 3), seed++);
+    check_case<float>(small(s, 8, 3, 4), seed++);
+  }
+}
+
+TEST(CudaKernelsEmulated, PerSequenceLengths) {
+  ProblemSpec s = base_spec();
+  s.B = 3;
+  Case c = small(s, 12, 2, 4);
+  // A full sequence, a padded one, and one with no query rows (all padding); padding holds NaN.
+  c.query_lengths = {7, 4, 0};
+  c.key_lengths = {9, 6, 3};
+  check_case<double>(c, 200);
+  c.spec.causal = false;
+  c.spec.window = 2;
+  c.query_lengths = {3, 7, 1};
+  c.key_lengths = {0, 9, 2};  // a sequence without keys: every row sees none
+  check_case<double>(c, 201);
+  check_case<float>(c, 202);
+}
+
+TEST(CudaKernelsEmulated, TileShapesAndThreadCounts) {
+  ProblemSpec s = base_spec();
+  s.T = 10, s.S = 13;
+  uint64_t seed = 300;
+  // Rows and keys per tile from 1 to beyond the problem, odd thread counts (items a thread owns
+  // wrap around unevenly), and the planned launch.
+  const LaunchOptions launches[] = {{1, 1, 1}, {3, 3, 5}, {7, 16, 32}, {32, 4, 13}, {64, 1, 2}, {}};
+  for (const LaunchOptions& l : launches) {
+    Case c;
+    c.spec = s;
+    c.launch = l;
+    check_case<double>(c, seed++);
+  }
+}
+
+TEST(CudaKernelsEmulated, ShapesOfTheHeads) {
+  uint64_t seed = 400;
+  ProblemSpec s = base_spec();
+  s.G = 4, s.H = 4, s.Hk = 1;  // M = 1, MQA
+  check_case<double>(small(s, 8, 2, 4), seed++);
+  s = base_spec();
+  s.H = 6, s.Hk = 3, s.G = 1, s.Rq = 4, s.Rk = 3, s.D = 7, s.Dv = 9;  // ranks above 2, Dv > D
+  check_case<double>(small(s, 16, 4, 8), seed++);
+  s = base_spec();
+  s.H = 8, s.Hk = 8, s.G = 2, s.Rq = 1, s.Rk = 2, s.causal = false;
+  s.scale = 0.7;
+  check_case<float>(small(s, 32, 2, 5), seed++);
+}
+
+TEST(CudaKernelsEmulated, OfficialConfigurationShape) {
+  // DCFormer's attention: 32 heads in one group, rank 2 on both sides, every term on.
+  ProblemSpec s;
+  s.B = 1, s.H = 32, s.Hk = 32, s.G = 1, s.T = 6, s.S = 6, s.D = 4, s.Dv = 4, s.Rq = 2, s.Rk = 2;
+  s.causal = true;
+  Case c;
+  c.spec = s;
+  check_case<double>(c, 500);
+}
+
+/// Every result of an emulated forward + backward, in a fixed order.
+template <class T>
+std::vector<double> emulated_results(const Case& c, const dcmha::reference::Problem& p,
+                                     const std::vector<double>& dout) {
+  EmulatedRun<T> run(c, p, dout);
+  run.forward(c.launch);
+  run.backward(c.launch);
+  std::vector<double> all = run.tp.out_values();
+  const std::vector<double> lse = run.tp.lse_values();
+  all.insert(all.end(), lse.begin(), lse.end());
+  return dcmha::test::with_gradients(std::move(all), run.tp.gradients());
+}
+
+TEST(CudaKernelsEmulated, BitwiseTheSameForEveryThreadCount) {
+  // Each element's sums run in a fixed order whichever thread owns it and nothing is atomic: the
+  // backward is deterministic, and the same for any block size. A missing barrier would show
+  // as a difference between runs whose threads interleave differently.
+  Case c = small(base_spec(), 1, 2, 4);
+  const dcmha::reference::Problem p = problem_of(c, 600);
+  const std::vector<double> dout = dcmha::test::random_dout(p, 600);
+  const std::vector<double> one = emulated_results<float>(c, p, dout);
+  for (int threads : {5, 32, 32}) {
+    c.launch.threads = threads;
+    const std::vector<double> again = emulated_results<float>(c, p, dout);
+    EXPECT_EQ(dcmha::test::first_bitwise_difference(one, again), -1) << "threads=" << threads;
+  }
+}
+
+TEST(CudaKernelsEmulated, Bf16StorageIsTheRoundedFloatResult) {
+  // bf16 storage widens to float and rounds each result once, so on bf16-valued inputs its
+  // results are exactly the float kernels' rounded (lse stays float).
+  uint64_t seed = 700;
+  ProblemSpec s = base_spec();
+  for (bool window : {false, true}) {
+    s.window = window ? 3 : 0;
+    const Case c = small(s, 16, 2, 4);
+    SCOPED_TRACE(c.str());
+    const dcmha::reference::Problem p = dcmha::test::bf16_problem(problem_of(c, seed));
+    std::vector<double> dout = dcmha::test::random_dout(p, seed++);
+    dcmha::test::round_all(dout);
+    const std::vector<double> f = emulated_results<float>(c, p, dout);
+    const std::vector<double> h = emulated_results<dcmha::bf16>(c, p, dout);
+    ASSERT_EQ(f.size(), h.size());
+    const size_t n_out = size_t(p.B * p.H * p.T * p.Dv), n_lse = size_t(p.B * p.H * p.T);
+    size_t mismatches = 0;
+    for (size_t i = 0; i < f.size(); ++i) {
+      const bool is_lse = i >= n_out && i < n_out + n_lse;
+      mismatches += (is_lse ? f[i] : dcmha::test::round_to_bf16(f[i])) != h[i];
+    }
+    EXPECT_EQ(mismatches, 0u);
+  }
+}
+
+TEST(CudaKernelsEmulated, DecodeStepsAreTheForwardRows) {
+  // The forward kernel over a DecodeCache's slots (a ring for the windowed layer, which wraps
+  // here), step by step with uneven counts: its rows are the full causal forward's.
+  ProblemSpec s = base_spec();
+  s.T = s.S = 12;
+  for (int64_t window : {int64_t(0), int64_t(4)}) {
+    s.window = window;
+    const Case c = small(s, 16, 2, 3);
+    SCOPED_TRACE(c.str());
+    const dcmha::reference::Problem p = problem_of(c, 1000 + window);
+    dcmha::DecodeCache<double> cache(dcmha::test::cache_config(p, 12, 5));
+    dcmha::AttentionConfig cfg;
+    cfg.mask = dcmha::Mask::causal;
+    cfg.window = window;
+    const dcmha::test::DecodeSchedule schedule = {{5, 3}, {1, 4}, {3, 0}, {1, 5}, {2, 0}};
+    const auto outs = dcmha::test::decode_steps_with<double>(
+        p, schedule, [&](const dcmha::test::DecodeStepTensors<double>& x) {
+          cache.append(x.k, x.v, x.key_side, x.counts);
+          dcmha::cuda::emulate::decode<double>(cfg, x.q, cache, x.query_side, x.out, c.launch);
+        });
+    int64_t padding_nonzero = 0;
+    const std::vector<double> rows = dcmha::test::assemble_rows(p, schedule, outs, padding_nonzero);
+    EXPECT_LE(dcmha::test::max_rel_error(dcmha::reference::forward(p), rows), 1e-9);
+    EXPECT_EQ(padding_nonzero, 0);
+  }
+}
+
+TEST(CudaKernelsEmulated, ArgumentsAreValidatedAsOnTheCpu) {
+  const dcmha::reference::Problem p = problem_of(small(base_spec(), 4, 2, 4), 800);
+  TypedProblem<float> tp(p);
+  dcmha::AttentionConfig cfg = tp.config();
+  cfg.window = -1;
+  try {
+    dcmha::cuda::emulate::forward<float>(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(),
+                                         tp.compose());
+    FAIL() << "expected dcmha::Error";
+  } catch (const dcmha::Error& e) {
+    EXPECT_NE(
+        std::string(e.what()).find("dcmha::cuda::emulate::forward: cfg.window: expected >= 0"),
+        std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(CudaKernelsEmulated, TooLargeForSharedMemoryIsAClearError) {
+  // 64 heads in one compose group with D = 1024: even one row of one block exceeds the budget.
+  ProblemSpec s;
+  s.B = 1, s.H = 64, s.Hk = 64, s.G = 1, s.T = 1, s.S = 1, s.D = 1024, s.Dv = 1024;
+  s.pre = {true, false, false};
+  s.post = SideSpec::none();
+  const dcmha::reference::Problem p = dcmha::test::random_problem(s, 900);
+  TypedProblem<float> tp(p);
+  try {
+    dcmha::cuda::emulate::forward<float>(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), {},
+                                         tp.compose());
+    FAIL() << "expected dcmha::Error";
+  } catch (const dcmha::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bytes of shared memory per block (M = 64 heads per "
+                                         "group, D = 1024, Dv = 1024), expected at most"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
