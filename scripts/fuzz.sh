@@ -40,7 +40,8 @@ configure() {  # build dir, C compiler, C++ compiler, extra cmake arguments...
   shift 3
   CC="$cc" CXX="$cxx" cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
     -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" -DDCMHA_BUILD_TESTS=ON \
-    -DDCMHA_BUILD_BENCHMARKS=OFF -DDCMHA_BUILD_EXAMPLES=OFF -DDCMHA_INSTALL=OFF "$@" >/dev/null
+    -DDCMHA_BUILD_BENCHMARKS=OFF -DDCMHA_BUILD_EXAMPLES=OFF -DDCMHA_INSTALL=OFF -DDCMHA_CUDA=OFF "$@" \
+    >/dev/null
 }
 
 summary() {  # runs, mismatches, crashes

@@ -43,7 +43,7 @@ step "configure ($BUILD_DIR, $KIND)"
 cmake -S . -B "$BUILD_DIR" "${compiler[@]}" -DDCMHA_SANITIZE="$sanitize" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
   -DDCMHA_BUILD_TESTS=ON -DDCMHA_BUILD_BENCHMARKS=OFF -DDCMHA_BUILD_EXAMPLES=OFF \
-  -DDCMHA_BUILD_FUZZER="$fuzzer" >/dev/null
+  -DDCMHA_BUILD_FUZZER="$fuzzer" -DDCMHA_CUDA=OFF >/dev/null
 
 step "build (-j$JOBS)"
 cmake --build "$BUILD_DIR" -j "$JOBS"

@@ -29,10 +29,24 @@ mapfile -t sources < <(find include tests tools bench examples -name '*.hpp' -o 
 clang-format --dry-run --Werror "${sources[@]}"
 RECAP=("format: ${#sources[@]} files as .clang-format writes them")
 
-# -Werror: the project's own targets build without a warning.
+# The CUDA backend builds wherever nvcc is, for sm_80 and sm_90; its kernel source runs on the
+# host in test_cuda_kernels either way, and its GPU tests (label gpu) report skipped without a
+# device.
+NVCC="$(command -v nvcc || true)"
+if [ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc; fi
+if [ -n "$NVCC" ]; then
+  cuda_args=(-DDCMHA_CUDA=ON -DCMAKE_CUDA_COMPILER="$NVCC" "-DCMAKE_CUDA_ARCHITECTURES=80;90")
+  RECAP+=("cuda: $("$NVCC" --version | grep -o 'release [0-9.]*'), every CUDA target for sm_80 and sm_90")
+else
+  cuda_args=(-DDCMHA_CUDA=OFF)
+  RECAP+=("cuda: no nvcc here, the CUDA targets were not compiled (test_cuda_kernels still ran)")
+fi
+
+# -Werror: the project's own targets (CUDA ones too) build without a warning.
 step "configure ($BUILD_DIR, Release)"
 cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DDCMHA_WERROR=ON \
-  -DDCMHA_BUILD_TESTS=ON -DDCMHA_BUILD_BENCHMARKS=ON -DDCMHA_BUILD_EXAMPLES=ON >/dev/null
+  -DDCMHA_BUILD_TESTS=ON -DDCMHA_BUILD_BENCHMARKS=ON -DDCMHA_BUILD_EXAMPLES=ON "${cuda_args[@]}" \
+  >/dev/null
 
 step "build (-j$JOBS)"
 cmake --build "$BUILD_DIR" -j "$JOBS"
@@ -40,6 +54,8 @@ cmake --build "$BUILD_DIR" -j "$JOBS"
 step "ctest"
 (cd "$BUILD_DIR" && ctest --output-on-failure) | tee "$BUILD_DIR/ctest.log"
 RECAP+=("release: $(grep -E 'tests passed|tests failed' "$BUILD_DIR/ctest.log" | tail -n 1)")
+skipped=$(grep -c '(Skipped)' "$BUILD_DIR/ctest.log" || true)
+[ "$skipped" -gt 0 ] && RECAP+=("gpu: $skipped tests skipped (no CUDA device here; scripts/gpu_check.sh runs them)")
 
 # Runs a command and keeps its last line (its summary) for the recap at the end.
 recap_of() {

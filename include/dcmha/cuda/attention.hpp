@@ -1,0 +1,137 @@
+#pragma once
+// The CUDA backend's entry points: the CPU entry points' call shapes (attention.hpp) on device
+// memory, with a DeviceWorkspace and a stream. Include from a .cu file compiled by nvcc and link
+// dcmha::cuda.
+//
+//   dcmha::cuda::forward (cfg, q, k, v, out, lse, compose, workspace, stream)
+//   dcmha::cuda::backward(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, workspace,
+//   stream)
+//
+// Every tensor view points to device memory, except cfg.query_lengths / key_lengths, which are
+// host memory (they are validated, then copied into the workspace). Arguments are validated
+// exactly as on the CPU, before anything is launched, and bad ones throw dcmha::Error; a CUDA
+// failure throws dcmha::Error naming the call and CUDA's message. The calls are asynchronous
+// on `stream` like any kernel launch (cfg.num_threads is ignored). Scalar types: float and bf16
+// storage (float arithmetic, float lse).
+#include <cstring>
+#include <vector>
+
+#include "../compose_weights.hpp"
+#include "../config.hpp"
+#include "../detail/validate.hpp"
+#include "runtime.hpp"
+
+namespace dcmha::cuda {
+
+namespace detail_cuda {
+
+/// A call's device memory from the workspace: small index arrays staged from the host (the
+/// per-sequence lengths, a decode step's ring starts), then the kernels' scratch.
+class CallMemory {
+ public:
+  /// Room for `index_elements` staged values and `scratch_bytes` of scratch.
+  CallMemory(const char* fn, DeviceWorkspace& ws, index_t index_elements, std::size_t scratch_bytes,
+             cudaStream_t stream)
+      : fn_(fn), stream_(stream) {
+    const std::size_t index_bytes = (index_elements * sizeof(index_t) + 255) / 256 * 256;
+    auto* base = static_cast<char*>(ws.reserve(fn, index_bytes + scratch_bytes, stream));
+    next_index_ = reinterpret_cast<index_t*>(base);
+    scratch_ = base + index_bytes;
+  }
+
+  /// A device copy of a host view (any stride), or an empty view for an empty one. The host
+  /// values are read before this returns (cudaMemcpyAsync from pageable memory stages them), so
+  /// they need not outlive the call.
+  TensorView<const index_t, 1> stage(const TensorView<const index_t, 1>& host) {
+    if (host.empty()) return {};
+    const index_t n = host.shape[0];
+    gathered_.resize(static_cast<std::size_t>(n));
+    for (index_t i = 0; i < n; ++i) gathered_[static_cast<std::size_t>(i)] = host(i);
+    check(fn_, "cudaMemcpyAsync",
+          cudaMemcpyAsync(next_index_, gathered_.data(), n * sizeof(index_t),
+                          cudaMemcpyHostToDevice, stream_));
+    const TensorView<const index_t, 1> device =
+        view<1>(static_cast<const index_t*>(next_index_), {n});
+    next_index_ += n;
+    return device;
+  }
+  void* scratch() const { return scratch_; }
+
+ private:
+  const char* fn_;
+  cudaStream_t stream_;
+  std::vector<index_t> gathered_;
+  index_t* next_index_ = nullptr;
+  char* scratch_ = nullptr;
+};
+
+/// The mask's per-sequence lengths, staged to the device.
+inline void stage_lengths(CallMemory& mem, detail::MaskParams& mask) {
+  mask.query_lengths = mem.stage(mask.query_lengths);
+  mask.key_lengths = mem.stage(mask.key_lengths);
+}
+
+inline index_t length_elements(const detail::MaskParams& mask) {
+  return (mask.query_lengths.empty() ? 0 : mask.query_lengths.shape[0]) +
+         (mask.key_lengths.empty() ? 0 : mask.key_lengths.shape[0]);
+}
+
+template <class T>
+void forward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                  TensorView<const T, 4> v, TensorView<T, 4> out, TensorView<acc_t<T>, 3> lse,
+                  const ComposeWeights<T>& compose, DeviceWorkspace& ws, cudaStream_t stream,
+                  const LaunchOptions& opt) {
+  const char* fn = "dcmha::cuda::forward";
+  detail::ForwardParams<T> p = detail::forward_params(fn, cfg, q, k, v, out, lse, compose);
+  const KernelLaunch l = forward_launch(fn, p, opt);
+  CallMemory mem(fn, ws, length_elements(p.mask), 0, stream);
+  stage_lengths(mem, p.mask);
+  launch(fn, forward_kernel<T>, l, stream, p, l.geo);
+}
+
+template <class T>
+void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,
+                   TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
+                   TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
+                   TensorView<T, 4> dv, const ComposeWeights<T>& compose,
+                   const ComposeGrads<T>& dcompose, DeviceWorkspace& ws, cudaStream_t stream,
+                   const LaunchOptions& opt) {
+  using A = acc_t<T>;
+  const char* fn = "dcmha::cuda::backward";
+  detail::BackwardParams<T> p =
+      detail::backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
+  const BackwardLaunch l = backward_launch(fn, p, opt);
+  const BackwardScratchSizes sizes = backward_scratch_sizes(p.dims, l);
+  CallMemory mem(fn, ws, length_elements(p.mask), sizes.total() * sizeof(A), stream);
+  stage_lengths(mem, p.mask);
+  const BackwardScratch<A> scratch = carve_scratch(static_cast<A*>(mem.scratch()), sizes);
+  launch(fn, query_grad_kernel<T>, l.query, stream, p, l.query.geo, scratch);
+  launch(fn, key_grad_kernel<T>, l.key, stream, p, l.key.geo, scratch);
+  launch(fn, static_grad_kernel<T>, l.static_sums, stream, p, l.static_sums.geo, scratch);
+}
+
+}  // namespace detail_cuda
+
+#define DCMHA_DEFINE_CUDA_ENTRY_POINTS(T)                                                       \
+  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                     \
+                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out, \
+                      TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& compose,            \
+                      DeviceWorkspace& workspace, cudaStream_t stream = 0,                      \
+                      const LaunchOptions& launch = {}) {                                       \
+    detail_cuda::forward_impl<T>(cfg, q, k, v, out, lse, compose, workspace, stream, launch);   \
+  }                                                                                             \
+  inline void backward(                                                                         \
+      const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,           \
+      TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout, \
+      TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,                            \
+      const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose,                        \
+      DeviceWorkspace& workspace, cudaStream_t stream = 0, const LaunchOptions& launch = {}) {  \
+    detail_cuda::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose,       \
+                                  workspace, stream, launch);                                   \
+  }
+
+DCMHA_DEFINE_CUDA_ENTRY_POINTS(float)
+DCMHA_DEFINE_CUDA_ENTRY_POINTS(bf16)
+#undef DCMHA_DEFINE_CUDA_ENTRY_POINTS
+
+}  // namespace dcmha::cuda
