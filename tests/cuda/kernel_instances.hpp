@@ -5,23 +5,13 @@
 #include <dcmha/cuda/attention.hpp>
 #include <dcmha/cuda/decode.hpp>
 
-#define DCMHA_CUDA_ATTENTION_INSTANCES(PREFIX, T)                                                  \
-  PREFIX void dcmha::cuda::detail_cuda::forward_impl<T>(                                           \
-      const dcmha::AttentionConfig&, dcmha::TensorView<const T, 4>, dcmha::TensorView<const T, 4>, \
-      dcmha::TensorView<const T, 4>, dcmha::TensorView<T, 4>,                                      \
-      dcmha::TensorView<dcmha::acc_t<T>, 3>, const dcmha::ComposeWeights<T>&,                      \
-      dcmha::cuda::DeviceWorkspace&, cudaStream_t, const dcmha::cuda::LaunchOptions&);             \
-  PREFIX void dcmha::cuda::detail_cuda::backward_impl<T>(                                          \
-      const dcmha::AttentionConfig&, dcmha::TensorView<const T, 4>, dcmha::TensorView<const T, 4>, \
-      dcmha::TensorView<const T, 4>, dcmha::TensorView<const dcmha::acc_t<T>, 3>,                  \
-      dcmha::TensorView<const T, 4>, dcmha::TensorView<T, 4>, dcmha::TensorView<T, 4>,             \
-      dcmha::TensorView<T, 4>, const dcmha::ComposeWeights<T>&, const dcmha::ComposeGrads<T>&,     \
-      dcmha::cuda::DeviceWorkspace&, cudaStream_t, const dcmha::cuda::LaunchOptions&);             \
-  PREFIX void dcmha::cuda::detail_cuda::decode_impl<T>(                                            \
-      const dcmha::AttentionConfig&, dcmha::TensorView<const T, 4>,                                \
-      const dcmha::cuda::DecodeCache<T>&, const dcmha::ComposeWeights<T>&,                         \
-      dcmha::TensorView<T, 4>, dcmha::cuda::DeviceWorkspace&, cudaStream_t,                        \
-      const dcmha::cuda::LaunchOptions&);
+#define DCMHA_CUDA_ATTENTION_INSTANCES(PREFIX, T)                                            \
+  PREFIX void dcmha::cuda::launch_forward<T>(const char*, dcmha::detail::ForwardParams<T>,   \
+                                             dcmha::cuda::DeviceWorkspace&, cudaStream_t,    \
+                                             const dcmha::cuda::LaunchOptions&);             \
+  PREFIX void dcmha::cuda::launch_backward<T>(const char*, dcmha::detail::BackwardParams<T>, \
+                                              dcmha::cuda::DeviceWorkspace&, cudaStream_t,   \
+                                              const dcmha::cuda::LaunchOptions&);
 
 #ifndef DCMHA_CUDA_DEFINE_INSTANCES
 DCMHA_CUDA_ATTENTION_INSTANCES(extern template, float)

@@ -76,58 +76,58 @@ inline index_t length_elements(const detail::MaskParams& mask) {
          (mask.key_lengths.empty() ? 0 : mask.key_lengths.shape[0]);
 }
 
+}  // namespace detail_cuda
+
+/// The backend seam (cpu::forward's twin): runs a validated call's ForwardParams, whose views
+/// are device memory except the per-sequence lengths and ring starts (host memory, staged here).
+/// `fn` names the entry point in errors.
 template <class T>
-void forward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,
-                  TensorView<const T, 4> v, TensorView<T, 4> out, TensorView<acc_t<T>, 3> lse,
-                  const ComposeWeights<T>& compose, DeviceWorkspace& ws, cudaStream_t stream,
-                  const LaunchOptions& opt) {
-  const char* fn = "dcmha::cuda::forward";
-  detail::ForwardParams<T> p = detail::forward_params(fn, cfg, q, k, v, out, lse, compose);
+void launch_forward(const char* fn, detail::ForwardParams<T> p, DeviceWorkspace& ws,
+                    cudaStream_t stream, const LaunchOptions& opt) {
   const KernelLaunch l = forward_launch(fn, p, opt);
-  CallMemory mem(fn, ws, length_elements(p.mask), 0, stream);
-  stage_lengths(mem, p.mask);
+  const index_t ring = p.keys.capacity ? p.dims.B : 0;
+  detail_cuda::CallMemory mem(fn, ws, detail_cuda::length_elements(p.mask) + ring, 0, stream);
+  detail_cuda::stage_lengths(mem, p.mask);
+  if (ring) p.keys.start = mem.stage(p.keys.start);
   launch(fn, forward_kernel<T>, l, stream, p, l.geo);
 }
 
+/// cpu::backward's twin: the query side, the key side, then W's sums, in one stream.
 template <class T>
-void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,
-                   TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
-                   TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
-                   TensorView<T, 4> dv, const ComposeWeights<T>& compose,
-                   const ComposeGrads<T>& dcompose, DeviceWorkspace& ws, cudaStream_t stream,
-                   const LaunchOptions& opt) {
+void launch_backward(const char* fn, detail::BackwardParams<T> p, DeviceWorkspace& ws,
+                     cudaStream_t stream, const LaunchOptions& opt) {
   using A = acc_t<T>;
-  const char* fn = "dcmha::cuda::backward";
-  detail::BackwardParams<T> p =
-      detail::backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
   const BackwardLaunch l = backward_launch(fn, p, opt);
   const BackwardScratchSizes sizes = backward_scratch_sizes(p.dims, l);
-  CallMemory mem(fn, ws, length_elements(p.mask), sizes.total() * sizeof(A), stream);
-  stage_lengths(mem, p.mask);
+  detail_cuda::CallMemory mem(fn, ws, detail_cuda::length_elements(p.mask),
+                              sizes.total() * sizeof(A), stream);
+  detail_cuda::stage_lengths(mem, p.mask);
   const BackwardScratch<A> scratch = carve_scratch(static_cast<A*>(mem.scratch()), sizes);
   launch(fn, query_grad_kernel<T>, l.query, stream, p, l.query.geo, scratch);
   launch(fn, key_grad_kernel<T>, l.key, stream, p, l.key.geo, scratch);
   launch(fn, static_grad_kernel<T>, l.static_sums, stream, p, l.static_sums.geo, scratch);
 }
 
-}  // namespace detail_cuda
-
-#define DCMHA_DEFINE_CUDA_ENTRY_POINTS(T)                                                       \
-  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                     \
-                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out, \
-                      TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& compose,            \
-                      DeviceWorkspace& workspace, cudaStream_t stream = 0,                      \
-                      const LaunchOptions& launch = {}) {                                       \
-    detail_cuda::forward_impl<T>(cfg, q, k, v, out, lse, compose, workspace, stream, launch);   \
-  }                                                                                             \
-  inline void backward(                                                                         \
-      const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,           \
-      TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout, \
-      TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,                            \
-      const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose,                        \
-      DeviceWorkspace& workspace, cudaStream_t stream = 0, const LaunchOptions& launch = {}) {  \
-    detail_cuda::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose,       \
-                                  workspace, stream, launch);                                   \
+#define DCMHA_DEFINE_CUDA_ENTRY_POINTS(T)                                                        \
+  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                      \
+                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,  \
+                      TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& compose,             \
+                      DeviceWorkspace& workspace, cudaStream_t stream = 0,                       \
+                      const LaunchOptions& launch = {}) {                                        \
+    const char* fn = "dcmha::cuda::forward";                                                     \
+    launch_forward(fn, detail::forward_params(fn, cfg, q, k, v, out, lse, compose), workspace,   \
+                   stream, launch);                                                              \
+  }                                                                                              \
+  inline void backward(                                                                          \
+      const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,            \
+      TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout,  \
+      TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,                             \
+      const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose,                         \
+      DeviceWorkspace& workspace, cudaStream_t stream = 0, const LaunchOptions& launch = {}) {   \
+    const char* fn = "dcmha::cuda::backward";                                                    \
+    launch_backward(                                                                             \
+        fn, detail::backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose), \
+        workspace, stream, launch);                                                              \
   }
 
 DCMHA_DEFINE_CUDA_ENTRY_POINTS(float)

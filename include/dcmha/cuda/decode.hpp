@@ -29,10 +29,18 @@ class DecodeCache {
   explicit DecodeCache(const DecodeCacheConfig& c) {
     const char* fn = "dcmha::cuda::DecodeCache";
     const index_t elements = dcmha::DecodeCache<T>::required_elements(c);
-    check(fn, "cudaMalloc", cudaMalloc(&slots_, elements * sizeof(T)));
-    check(fn, "cudaMalloc", cudaMalloc(&indices_, 2 * c.B * sizeof(index_t)));
-    check(fn, "cudaMemset", cudaMemset(slots_, 0, elements * sizeof(T)));
-    state_ = std::make_unique<dcmha::DecodeCache<T>>(c, static_cast<T*>(slots_), elements);
+    try {
+      check(fn, "cudaMalloc", cudaMalloc(&slots_, elements * sizeof(T)));
+      check(fn, "cudaMalloc", cudaMalloc(&indices_, 2 * c.B * sizeof(index_t)));
+      // Finished before any append, whatever stream that uses.
+      check(fn, "cudaMemset", cudaMemset(slots_, 0, elements * sizeof(T)));
+      check(fn, "cudaDeviceSynchronize", cudaDeviceSynchronize());
+      state_ = std::make_unique<dcmha::DecodeCache<T>>(c, static_cast<T*>(slots_), elements);
+    } catch (...) {
+      cudaFree(slots_);
+      cudaFree(indices_);
+      throw;
+    }
   }
   DecodeCache(const DecodeCache&) = delete;
   DecodeCache& operator=(const DecodeCache&) = delete;
@@ -95,32 +103,16 @@ class DecodeCache {
   std::unique_ptr<dcmha::DecodeCache<T>> state_;
 };
 
-namespace detail_cuda {
-
-template <class T>
-void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new,
-                 const DecodeCache<T>& cache, const ComposeWeights<T>& query_side,
-                 TensorView<T, 4> out, DeviceWorkspace& ws, cudaStream_t stream,
-                 const LaunchOptions& opt) {
-  const char* fn = "dcmha::cuda::decode";
-  detail::DecodeStepLengths lengths;
-  detail::ForwardParams<T> p =
-      detail::decode_params(fn, cfg, q_new, cache.state(), query_side, out, lengths);
-  const KernelLaunch l = forward_launch(fn, p, opt);
-  CallMemory mem(fn, ws, length_elements(p.mask) + (p.keys.capacity ? p.dims.B : 0), 0, stream);
-  stage_lengths(mem, p.mask);
-  if (p.keys.capacity) p.keys.start = mem.stage(p.keys.start);
-  launch(fn, forward_kernel<T>, l, stream, p, l.geo);
-}
-
-}  // namespace detail_cuda
-
-#define DCMHA_DEFINE_CUDA_DECODE_ENTRY_POINTS(T)                                                \
-  inline void decode(const AttentionConfig& cfg, TensorView<const T, 4> q_new,                  \
-                     const DecodeCache<T>& cache, const ComposeWeights<T>& query_side,          \
-                     TensorView<T, 4> out, DeviceWorkspace& workspace, cudaStream_t stream = 0, \
-                     const LaunchOptions& launch = {}) {                                        \
-    detail_cuda::decode_impl<T>(cfg, q_new, cache, query_side, out, workspace, stream, launch); \
+#define DCMHA_DEFINE_CUDA_DECODE_ENTRY_POINTS(T)                                                   \
+  inline void decode(const AttentionConfig& cfg, TensorView<const T, 4> q_new,                     \
+                     const DecodeCache<T>& cache, const ComposeWeights<T>& query_side,             \
+                     TensorView<T, 4> out, DeviceWorkspace& workspace, cudaStream_t stream = 0,    \
+                     const LaunchOptions& launch = {}) {                                           \
+    const char* fn = "dcmha::cuda::decode";                                                        \
+    detail::DecodeStepLengths lengths; /* the params' host arrays, staged by the launch */         \
+    launch_forward(fn,                                                                             \
+                   detail::decode_params(fn, cfg, q_new, cache.state(), query_side, out, lengths), \
+                   workspace, stream, launch);                                                     \
   }
 
 DCMHA_DEFINE_CUDA_DECODE_ENTRY_POINTS(float)
