@@ -17,6 +17,7 @@
 
 namespace {
 
+using dcmha::index_t;
 using dcmha::cuda::LaunchOptions;
 using dcmha::test::ProblemSpec;
 using dcmha::test::SideSpec;
@@ -197,13 +198,53 @@ TEST(CudaKernelsEmulated, TileShapesAndThreadCounts) {
   uint64_t seed = 300;
   // Rows and keys per tile from 1 to beyond the problem, odd thread counts (items a thread owns
   // wrap around unevenly), and the planned launch.
-  const LaunchOptions launches[] = {{1, 1, 1}, {3, 3, 5}, {7, 16, 32}, {32, 4, 13}, {64, 1, 2}, {}};
+  const LaunchOptions launches[] = {{1, 1, 1, 0},   {3, 3, 5, 0},  {7, 16, 32, 0},
+                                    {32, 4, 13, 0}, {64, 1, 2, 0}, {}};
   for (const LaunchOptions& l : launches) {
     Case c;
     c.spec = s;
     c.launch = l;
     check_case<double>(c, seed++);
   }
+}
+
+TEST(CudaKernelsEmulated, KeysSplitAcrossBlocks) {
+  // The split forward (decode's shape: few query blocks, many keys): statistics per share,
+  // combined, then P'V per share, summed. More splits than key steps leaves shares empty.
+  ProblemSpec s = base_spec();
+  s.T = 5, s.S = 23;
+  uint64_t seed = 350;
+  for (int64_t splits : {2, 7}) {
+    for (bool window : {false, true}) {
+      s.window = window ? 9 : 0;
+      Case c = small(s, 16, 2, 3);
+      c.launch.key_splits = splits;
+      check_case<double>(c, seed++);
+    }
+  }
+  Case c = small(base_spec(), 8, 2, 2);
+  c.spec.B = 3;
+  c.query_lengths = {7, 2, 0};
+  c.key_lengths = {9, 9, 4};
+  c.launch.key_splits = 4;
+  check_case<float>(c, seed++);
+}
+
+TEST(CudaKernelsEmulated, LaunchPlanSplitsOnlyWhereBlocksAreFew) {
+  // Decode of the official DCMHA (one group of 32 heads, B = 8, 4096 cached keys) has 8 query
+  // blocks: its keys are split 32 ways (256 blocks); MHA's 256 head blocks are not split, nor is
+  // a long forward.
+  auto plan = [](index_t B, index_t H, index_t G, index_t T, index_t S) {
+    dcmha::detail::ForwardParams<float> p;
+    p.dims = {B, H, H, T, S, 128, 128, G, H / G};
+    return dcmha::cuda::forward_launch("plan", p);
+  };
+  const dcmha::cuda::ForwardLaunch dcmha_decode = plan(8, 32, 1, 1, 4096);
+  EXPECT_EQ(dcmha_decode.splits, 32);
+  EXPECT_EQ(dcmha_decode.blocks.grid.z, 8 * 32);
+  EXPECT_EQ(plan(8, 32, 32, 1, 4096).splits, 1);
+  EXPECT_EQ(plan(4, 32, 1, 2048, 2048).splits, 1);
+  EXPECT_EQ(plan(1, 32, 1, 1, 64).splits, 1);  // too few keys to share
 }
 
 TEST(CudaKernelsEmulated, ShapesOfTheHeads) {
@@ -298,10 +339,14 @@ TEST(CudaKernelsEmulated, DecodeStepsAreTheForwardRows) {
     cfg.mask = dcmha::Mask::causal;
     cfg.window = window;
     const dcmha::test::DecodeSchedule schedule = {{5, 3}, {1, 4}, {3, 0}, {1, 5}, {2, 0}};
+    // Odd steps split the keys across blocks, as decode's launch plan does for long caches.
+    int64_t step = 0;
     const auto outs = dcmha::test::decode_steps_with<double>(
         p, schedule, [&](const dcmha::test::DecodeStepTensors<double>& x) {
           cache.append(x.k, x.v, x.key_side, x.counts);
-          dcmha::cuda::emulate::decode<double>(cfg, x.q, cache, x.query_side, x.out, c.launch);
+          LaunchOptions launch = c.launch;
+          launch.key_splits = step++ % 2 ? 3 : 1;
+          dcmha::cuda::emulate::decode<double>(cfg, x.q, cache, x.query_side, x.out, launch);
         });
     int64_t padding_nonzero = 0;
     const std::vector<double> rows = dcmha::test::assemble_rows(p, schedule, outs, padding_nonzero);

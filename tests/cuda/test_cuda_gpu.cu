@@ -195,7 +195,7 @@ TEST(CudaGpu, EverySwitchAgainstTheReference) {
     for (const SideSpec& post : {SideSpec::none(), SideSpec::all()}) {
       s.pre = pre, s.post = post;
       check_against_reference<float>(with_launch(s), seed++, 2e-4);
-      check_against_reference<float>(with_launch(s, {64, 2, 4}), seed++, 2e-4);
+      check_against_reference<float>(with_launch(s, {64, 2, 4, 3}), seed++, 2e-4);  // 3 splits
     }
 }
 
@@ -241,7 +241,8 @@ TEST(CudaGpu, BackwardIsBitwiseDeterministic) {
 /// Appends and decodes p's tokens through a device DecodeCache by `schedule`; the rows must be
 /// the full causal forward's (with the window, if any).
 void check_decode_steps(const ProblemSpec& s, uint64_t seed,
-                        const dcmha::test::DecodeSchedule& schedule, index_t max_step) {
+                        const dcmha::test::DecodeSchedule& schedule, index_t max_step,
+                        const LaunchOptions& launch = {}) {
   SCOPED_TRACE(s.str());
   const dcmha::reference::Problem p = dcmha::test::random_problem(s, seed);
   dcmha::cuda::DecodeCache<float> cache(dcmha::test::cache_config(p, s.T, max_step));
@@ -257,7 +258,7 @@ void check_decode_steps(const ProblemSpec& s, uint64_t seed,
                                                   dev.of(x.query_side.post)};
     const auto out = dev.of(x.out);
     cache.append(dev.of(x.k), dev.of(x.v), key_side, x.counts);
-    dcmha::cuda::decode(cfg, dev.of(x.q), cache, query_side, out, ws);
+    dcmha::cuda::decode(cfg, dev.of(x.q), cache, query_side, out, ws, 0, launch);
     check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
     DeviceMirror::copy_back(out, x.out);
   });
@@ -268,9 +269,9 @@ void check_decode_steps(const ProblemSpec& s, uint64_t seed,
 }
 
 TEST(CudaGpu, SmallCaseForTheSanitizers) {
-  // scripts/gpu_check.sh runs compute-sanitizer's memcheck and racecheck on this one: every
-  // kernel (forward, both backward sides, the W sums, append, decode) on a tiny problem with
-  // every term, GQA, two groups and per-sequence lengths.
+  // scripts/gpu_check.sh runs compute-sanitizer's tools on this one: every kernel (forward, both
+  // backward sides, the W sums, append, decode with split keys and their combination) on a tiny
+  // problem with every term, GQA, two groups and per-sequence lengths.
   Case c = with_launch(base_spec());
   c.spec.pre.static_w = c.spec.post.static_w = true;
   c.query_lengths = {7, 5};
@@ -278,7 +279,7 @@ TEST(CudaGpu, SmallCaseForTheSanitizers) {
   check_against_reference<float>(c, 70, 2e-4);
   ProblemSpec s = base_spec();
   s.T = s.S = 9, s.window = 3;
-  check_decode_steps(s, 71, {{4, 2}, {1, 3}, {4, 4}}, 4);
+  check_decode_steps(s, 71, {{4, 2}, {1, 3}, {4, 4}}, 4, {0, 0, 2, 3});
 }
 
 TEST(CudaGpu, DecodeStepsAreTheForwardRows) {
@@ -295,6 +296,7 @@ TEST(CudaGpu, DecodeStepsAreTheForwardRows) {
   for (int64_t window : {int64_t(0), int64_t(6)}) {
     s.window = window;
     check_decode_steps(s, uint64_t(60 + window), schedule, 8);
+    check_decode_steps(s, uint64_t(61 + window), schedule, 8, {0, 0, 4, 5});  // 5 key splits
   }
 }
 

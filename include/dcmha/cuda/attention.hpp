@@ -84,12 +84,23 @@ inline index_t length_elements(const detail::MaskParams& mask) {
 template <class T>
 void launch_forward(const char* fn, detail::ForwardParams<T> p, DeviceWorkspace& ws,
                     cudaStream_t stream, const LaunchOptions& opt) {
-  const KernelLaunch l = forward_launch(fn, p, opt);
+  using A = acc_t<T>;
+  const ForwardLaunch l = forward_launch(fn, p, opt);
   const index_t ring = p.keys.capacity ? p.dims.B : 0;
-  detail_cuda::CallMemory mem(fn, ws, detail_cuda::length_elements(p.mask) + ring, 0, stream);
+  detail_cuda::CallMemory mem(fn, ws, detail_cuda::length_elements(p.mask) + ring,
+                              l.scratch_elements(p.dims) * sizeof(A), stream);
   detail_cuda::stage_lengths(mem, p.mask);
   if (ring) p.keys.start = mem.stage(p.keys.start);
-  launch(fn, forward_kernel<T>, l, stream, p, l.geo);
+  const KernelLaunch& b = l.blocks;
+  if (l.splits == 1) {
+    launch(fn, forward_kernel<T>, b, stream, p, b.geo);
+    return;
+  }
+  const KeySplit<A> split = l.carve(static_cast<A*>(mem.scratch()), p.dims);
+  launch(fn, split_statistics_kernel<T>, b, stream, p, b.geo, split);
+  launch(fn, combine_statistics_kernel<T>, l.per_sequence, stream, p, split);
+  launch(fn, split_values_kernel<T>, b, stream, p, b.geo, split);
+  launch(fn, sum_splits_kernel<T>, l.per_sequence, stream, p, split);
 }
 
 /// cpu::backward's twin: the query side, the key side, then W's sums, in one stream.

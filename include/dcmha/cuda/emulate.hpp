@@ -11,11 +11,31 @@
 
 namespace dcmha::cuda::emulate {
 
+inline host::Grid grid_of(const KernelLaunch& l) { return {l.grid.x, l.grid.y, l.grid.z}; }
+
+/// The forward's launches (launch_forward's twin, on host memory).
 template <class T>
-void run_forward(const detail::ForwardParams<T>& p, const KernelLaunch& l) {
-  host::launch(
-      {l.grid.x, l.grid.y, l.grid.z}, l.threads, std::size_t(l.shared_bytes),
-      [&](const host::HostBlock& blk) { ForwardKernel<T, host::HostBlock>(blk, p, l.geo).run(); });
+void run_forward(const detail::ForwardParams<T>& p, const ForwardLaunch& l) {
+  using A = acc_t<T>;
+  using Block = host::HostBlock;
+  const KernelLaunch& b = l.blocks;
+  if (l.splits == 1) {
+    host::launch(grid_of(b), b.threads, std::size_t(b.shared_bytes),
+                 [&](const Block& blk) { ForwardKernel<T, Block>(blk, p, b.geo).run(); });
+    return;
+  }
+  std::vector<A> scratch(static_cast<std::size_t>(l.scratch_elements(p.dims)));
+  const KeySplit<A> split = l.carve(scratch.data(), p.dims);
+  host::launch(grid_of(b), b.threads, std::size_t(b.shared_bytes), [&](const Block& blk) {
+    ForwardKernel<T, Block>(blk, p, b.geo, split).run_split_statistics();
+  });
+  host::launch(grid_of(l.per_sequence), l.per_sequence.threads, 0,
+               [&](const Block& blk) { combine_split_statistics(blk, p, split); });
+  host::launch(grid_of(b), b.threads, std::size_t(b.shared_bytes), [&](const Block& blk) {
+    ForwardKernel<T, Block>(blk, p, b.geo, split).run_split_values();
+  });
+  host::launch(grid_of(l.per_sequence), l.per_sequence.threads, 0,
+               [&](const Block& blk) { sum_split_outputs(blk, p, split); });
 }
 
 template <class T>
@@ -24,10 +44,7 @@ void forward(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<co
              const ComposeWeights<T>& compose = {}, const LaunchOptions& opt = {}) {
   const char* fn = "dcmha::cuda::emulate::forward";
   const detail::ForwardParams<T> p = detail::forward_params(fn, cfg, q, k, v, out, lse, compose);
-  const KernelLaunch l = forward_launch(fn, p, opt);
-  host::launch(
-      {l.grid.x, l.grid.y, l.grid.z}, l.threads, std::size_t(l.shared_bytes),
-      [&](const host::HostBlock& blk) { ForwardKernel<T, host::HostBlock>(blk, p, l.geo).run(); });
+  run_forward(p, forward_launch(fn, p, opt));
 }
 
 template <class T>
@@ -44,16 +61,15 @@ void backward(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<c
   const BackwardScratchSizes sizes = backward_scratch_sizes(p.dims, l);
   std::vector<A> memory(static_cast<std::size_t>(sizes.total()));
   const BackwardScratch<A> scratch = carve_scratch(memory.data(), sizes);
-  auto grid = [](const KernelLaunch& k) { return host::Grid{k.grid.x, k.grid.y, k.grid.z}; };
-  host::launch(grid(l.query), l.query.threads, std::size_t(l.query.shared_bytes),
+  host::launch(grid_of(l.query), l.query.threads, std::size_t(l.query.shared_bytes),
                [&](const host::HostBlock& blk) {
                  QueryGradKernel<T, host::HostBlock>(blk, p, l.query.geo, scratch).run();
                });
-  host::launch(grid(l.key), l.key.threads, std::size_t(l.key.shared_bytes),
+  host::launch(grid_of(l.key), l.key.threads, std::size_t(l.key.shared_bytes),
                [&](const host::HostBlock& blk) {
                  KeyGradKernel<T, host::HostBlock>(blk, p, l.key.geo, scratch).run();
                });
-  host::launch(grid(l.static_sums), l.static_sums.threads, 0, [&](const host::HostBlock& blk) {
+  host::launch(grid_of(l.static_sums), l.static_sums.threads, 0, [&](const host::HostBlock& blk) {
     sum_static_grads(blk, p, l.static_sums.geo, scratch);
   });
 }

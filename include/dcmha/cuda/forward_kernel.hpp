@@ -6,6 +6,10 @@
 // exact probabilities with those statistics, post-composes them and accumulates P' V. The
 // recomputation replaces the CPU backend's score panels: on a GPU one row's M x S panel does not
 // fit in shared memory, and post-compose needs normalized probabilities of every head.
+//
+// With few query blocks and many keys (decode: one row per sequence, and DCMHA's one group) the
+// keys of a tile are split across `KeySplit::count` blocks: partial statistics, combined into
+// the lse in a fixed order, then partial P'V, summed in a fixed order (four launches).
 #include <cmath>
 
 #include "scores_tile.hpp"
@@ -33,32 +37,110 @@ struct ForwardShared {
   }
 };
 
+/// The scratch of a forward whose keys are split across blocks; count 1: not split.
+template <class A>
+struct KeySplit {
+  index_t count = 1;
+  A* stats = nullptr;  // [split][B][H][T][2]: each split's row max and sum
+  A* lse = nullptr;    // [B][H][T]
+  A* out = nullptr;    // [split][B][H][T][Dv]: each split's P'V
+};
+
 template <class T, class Block>
 class ForwardKernel {
  public:
   using A = acc_t<T>;
 
+  /// The block's query tile and, for a split forward, its share of the keys: grid z is
+  /// split * B + sequence.
   DCMHA_HOST_DEVICE ForwardKernel(const Block& blk, const detail::ForwardParams<T>& p,
-                                  const TileGeometry& geo)
-      : blk_(blk), p_(p), geo_(geo), sh_(carve_shared<ForwardShared<A>>(blk.shared(), geo)) {
-    at_.rows = query_tile(p, geo, blk.block(0), blk.block(1), blk.block(2));
+                                  const TileGeometry& geo, const KeySplit<A>& split = {})
+      : blk_(blk),
+        p_(p),
+        geo_(geo),
+        sh_(carve_shared<ForwardShared<A>>(blk.shared(), geo)),
+        split_(split) {
+    split_index_ = blk.block(2) / p.dims.B;
+    at_.rows = query_tile(p, geo, blk.block(0), blk.block(1), blk.block(2) % p.dims.B);
     at_.ring = p.keys;
   }
 
+  /// The whole forward of the block's rows.
   DCMHA_HOST_DEVICE void run() {
     const KeyRange keys = tile_keys(p_.mask, at_.rows);
+    start();
+    statistics_pass(keys);
+    finish_statistics();
+    blk_.sync();
+    values_pass(keys);
+    store_output();
+  }
+
+  /// A split forward's first launch: this share's row statistics into the scratch.
+  DCMHA_HOST_DEVICE void run_split_statistics() {
+    start();
+    statistics_pass(split_keys());
+    for_each_owned(blk_, geo_.M * at_.rows.rows, [&](index_t item) {
+      const index_t m = item / at_.rows.rows, r = item % at_.rows.rows;
+      A* stats = split_.stats + 2 * (split_index_ * rows_total() + row_index(m, r));
+      stats[0] = sh_.row_max[m * geo_.rows + r];
+      stats[1] = sh_.row_sum[m * geo_.rows + r];
+    });
+  }
+
+  /// A split forward's third launch (after combine_split_statistics): this share's P'V.
+  DCMHA_HOST_DEVICE void run_split_values() {
+    start();
+    for_each_owned(blk_, geo_.M * geo_.rows, [&](index_t item) {
+      const index_t m = item / geo_.rows, r = item % geo_.rows;
+      sh_.lse[item] = r < at_.rows.rows ? split_.lse[row_index(m, r)] : negative_infinity<A>();
+    });
+    blk_.sync();
+    values_pass(split_keys());
+    for_each_owned(blk_, geo_.M * at_.rows.rows * geo_.Dv, [&](index_t item) {
+      const index_t m = item / (at_.rows.rows * geo_.Dv), r = item / geo_.Dv % at_.rows.rows;
+      const index_t e = item % geo_.Dv;
+      split_.out[(split_index_ * rows_total() + row_index(m, r)) * geo_.Dv + e] =
+          sh_.out[(m * geo_.rows + r) * geo_.Dv + e];
+    });
+  }
+
+ private:
+  DCMHA_HOST_DEVICE index_t rows_total() const { return p_.dims.B * p_.dims.H * p_.dims.T; }
+  DCMHA_HOST_DEVICE index_t row_index(index_t m, index_t r) const {
+    return (at_.rows.b * p_.dims.H + at_.rows.g * geo_.M + m) * p_.dims.T + at_.rows.t0 + r;
+  }
+
+  /// This block's share of the tile's keys: whole key steps, split as evenly as they go (a
+  /// share may be empty).
+  DCMHA_HOST_DEVICE KeyRange split_keys() const {
+    const KeyRange keys = tile_keys(p_.mask, at_.rows);
+    const index_t steps = (keys.end - keys.begin + geo_.keys - 1) / geo_.keys;
+    const index_t per_split = (steps + split_.count - 1) / split_.count;
+    const index_t begin = keys.begin + split_index_ * per_split * geo_.keys;
+    const index_t end =
+        begin + per_split * geo_.keys < keys.end ? begin + per_split * geo_.keys : keys.end;
+    return begin < end ? KeyRange{begin, end} : KeyRange{0, 0};
+  }
+
+  DCMHA_HOST_DEVICE void start() {
     fill(blk_, sh_.row_max, geo_.M * geo_.rows, negative_infinity<A>());
     fill(blk_, sh_.row_sum, geo_.M * geo_.rows, A(0));
     fill(blk_, sh_.out, geo_.M * geo_.rows * geo_.Dv, A(0));
     blk_.sync();
+  }
+
+  DCMHA_HOST_DEVICE void statistics_pass(const KeyRange& keys) {
     for (index_t s0 = keys.begin; s0 < keys.end; s0 += geo_.keys) {
       step_to(s0, keys.end);
       composed_score_tile(blk_, p_, geo_, at_, sh_.scores, sh_.composed, sh_.sums);
       accumulate_statistics();
       blk_.sync();
     }
-    finish_statistics();
-    blk_.sync();
+  }
+
+  /// P = exp(L' - lse), Compose_post, P'V over the keys; ends synced.
+  DCMHA_HOST_DEVICE void values_pass(const KeyRange& keys) {
     for (index_t s0 = keys.begin; s0 < keys.end; s0 += geo_.keys) {
       step_to(s0, keys.end);
       composed_score_tile(blk_, p_, geo_, at_, sh_.scores, sh_.composed, sh_.sums);
@@ -69,10 +151,8 @@ class ForwardKernel {
       accumulate_values(sh_.scores);
       blk_.sync();
     }
-    store_output();
   }
 
- private:
   DCMHA_HOST_DEVICE void step_to(index_t s0, index_t end) {
     at_.keys.s0 = s0;
     at_.keys.count = end - s0 < geo_.keys ? end - s0 : geo_.keys;
@@ -140,7 +220,53 @@ class ForwardKernel {
   const detail::ForwardParams<T>& p_;
   TileGeometry geo_;
   ForwardShared<A> sh_;
+  KeySplit<A> split_;
+  index_t split_index_ = 0;
   TilePlace at_;
 };
+
+/// A split forward's second launch, one block per sequence: each row's lse from the splits'
+/// statistics, combined in split order (and written to the caller's lse, if kept).
+template <class Block, class T>
+DCMHA_HOST_DEVICE void combine_split_statistics(const Block& blk, const detail::ForwardParams<T>& p,
+                                                const KeySplit<acc_t<T>>& split) {
+  using A = acc_t<T>;
+  using std::exp;
+  using std::log;
+  const index_t b = blk.block(0), H = p.dims.H, T_ = p.dims.T;
+  const index_t rows_total = p.dims.B * H * T_;
+  for_each_owned(blk, H * T_, [&](index_t item) {
+    const index_t row = b * H * T_ + item;
+    A max = negative_infinity<A>();
+    for (index_t s = 0; s < split.count; ++s) {
+      const A m = split.stats[2 * (s * rows_total + row)];
+      max = m > max ? m : max;
+    }
+    A sum = 0;
+    for (index_t s = 0; s < split.count; ++s) {
+      const A* stats = split.stats + 2 * (s * rows_total + row);
+      if (stats[0] > negative_infinity<A>()) sum += stats[1] * exp(stats[0] - max);
+    }
+    const A lse = sum > 0 ? max + log(sum) : negative_infinity<A>();
+    split.lse[row] = lse;
+    if (!p.lse.empty()) p.lse(b, item / T_, item % T_) = lse;
+  });
+}
+
+/// A split forward's last launch, one block per sequence: out = the splits' P'V summed in split
+/// order, rounded once.
+template <class Block, class T>
+DCMHA_HOST_DEVICE void sum_split_outputs(const Block& blk, const detail::ForwardParams<T>& p,
+                                         const KeySplit<acc_t<T>>& split) {
+  using A = acc_t<T>;
+  const index_t b = blk.block(0), H = p.dims.H, T_ = p.dims.T, Dv = p.dims.Dv;
+  const index_t rows_total = p.dims.B * H * T_;
+  for_each_owned(blk, H * T_ * Dv, [&](index_t item) {
+    const index_t row = b * H * T_ + item / Dv, e = item % Dv;
+    A sum = 0;
+    for (index_t s = 0; s < split.count; ++s) sum += split.out[(s * rows_total + row) * Dv + e];
+    p.out(b, item / Dv / T_, item / Dv % T_, e) = T(sum);
+  });
+}
 
 }  // namespace dcmha::cuda

@@ -16,12 +16,17 @@ constexpr index_t kSharedMemoryBudget = 96 * 1024;
 /// Keys per step and threads per block unless the caller's LaunchOptions say otherwise.
 constexpr index_t kDefaultKeysPerStep = 32;
 constexpr int kDefaultThreads = 128;
+/// A forward with fewer query blocks than this splits its keys across blocks (two blocks per
+/// multiprocessor of an H100 / H200), each split keeping at least kMinStepsPerSplit key steps.
+constexpr index_t kTargetBlocks = 264;
+constexpr index_t kMinStepsPerSplit = 4;
 
 /// Overrides for tests and tuning: 0 keeps the planned value.
 struct LaunchOptions {
   int threads = 0;
-  index_t rows = 0;  // query rows per block
-  index_t keys = 0;  // keys per step
+  index_t rows = 0;        // query rows per block
+  index_t keys = 0;        // keys per step
+  index_t key_splits = 0;  // forward: blocks that share a query tile's keys (1: no split)
 };
 
 struct Grid3 {
@@ -82,14 +87,48 @@ KernelLaunch finish_launch(const TileGeometry& geo, const LaunchOptions& opt, Gr
   return l;
 }
 
-/// Forward: one block per (query tile, group, sequence).
+/// Forward: one block per (query tile, group, sequence), times the key splits; with splits,
+/// also the per-sequence launches that combine them (ForwardKernel, KeySplit).
+struct ForwardLaunch {
+  KernelLaunch blocks;
+  index_t splits = 1;
+  KernelLaunch per_sequence;  // combine_split_statistics, sum_split_outputs: one block each
+
+  /// Elements of the split scratch (0 without splits).
+  index_t scratch_elements(const detail::AttentionDims& d) const {
+    return splits > 1 ? d.B * d.H * d.T * (2 * splits + 1 + splits * d.Dv) : 0;
+  }
+  template <class A>
+  KeySplit<A> carve(A* base, const detail::AttentionDims& d) const {
+    KeySplit<A> k;
+    k.count = splits;
+    if (splits == 1) return k;
+    const index_t rows = d.B * d.H * d.T;
+    k.stats = base;
+    k.lse = k.stats + 2 * splits * rows;
+    k.out = k.lse + rows;
+    return k;
+  }
+};
+
 template <class T>
-KernelLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
-                            const LaunchOptions& opt = {}) {
+ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
+                             const LaunchOptions& opt = {}) {
   using Shared = ForwardShared<acc_t<T>>;
   const TileGeometry geo = fit_rows<Shared>(fn, base_geometry(p, opt), p.dims.T, opt);
   const index_t tiles = (p.dims.T + geo.rows - 1) / geo.rows;
-  return finish_launch<Shared>(geo, opt, {tiles, p.dims.G, p.dims.B});
+  const index_t blocks = tiles * p.dims.G * p.dims.B;
+  const index_t steps = (p.dims.S + geo.keys - 1) / geo.keys;
+  ForwardLaunch l;
+  l.splits =
+      opt.key_splits > 0
+          ? opt.key_splits
+          : std::max<index_t>(1, std::min(kTargetBlocks / blocks, steps / kMinStepsPerSplit));
+  l.splits = std::min<index_t>(l.splits, 65535 / p.dims.B);  // grid z = splits * B
+  l.blocks = finish_launch<Shared>(geo, opt, {tiles, p.dims.G, p.dims.B * l.splits});
+  l.per_sequence = finish_launch<Shared>(geo, opt, {p.dims.B, 1, 1});
+  l.per_sequence.shared_bytes = 0;
+  return l;
 }
 
 /// Backward: the query side's launch (one block per query tile, group, sequence), the key

@@ -62,6 +62,32 @@ __global__ void forward_kernel(const detail::ForwardParams<T> p, const TileGeome
 }
 
 template <class T>
+__global__ void split_statistics_kernel(const detail::ForwardParams<T> p, const TileGeometry geo,
+                                        const KeySplit<acc_t<T>> split) {
+  const DeviceBlock blk;
+  ForwardKernel<T, DeviceBlock>(blk, p, geo, split).run_split_statistics();
+}
+
+template <class T>
+__global__ void combine_statistics_kernel(const detail::ForwardParams<T> p,
+                                          const KeySplit<acc_t<T>> split) {
+  combine_split_statistics(DeviceBlock{}, p, split);
+}
+
+template <class T>
+__global__ void split_values_kernel(const detail::ForwardParams<T> p, const TileGeometry geo,
+                                    const KeySplit<acc_t<T>> split) {
+  const DeviceBlock blk;
+  ForwardKernel<T, DeviceBlock>(blk, p, geo, split).run_split_values();
+}
+
+template <class T>
+__global__ void sum_splits_kernel(const detail::ForwardParams<T> p,
+                                  const KeySplit<acc_t<T>> split) {
+  sum_split_outputs(DeviceBlock{}, p, split);
+}
+
+template <class T>
 __global__ void query_grad_kernel(const detail::BackwardParams<T> p, const TileGeometry geo,
                                   const BackwardScratch<acc_t<T>> scratch) {
   const DeviceBlock blk;
