@@ -12,6 +12,7 @@
 #include <dcmha/cuda/emulate.hpp>
 
 #include "reference/reference.hpp"
+#include "support/backend_cases.hpp"
 #include "support/problem.hpp"
 #include "support/runs.hpp"
 
@@ -19,26 +20,17 @@ namespace {
 
 using dcmha::index_t;
 using dcmha::cuda::LaunchOptions;
+using dcmha::test::problem_of;
 using dcmha::test::ProblemSpec;
 using dcmha::test::SideSpec;
 using dcmha::test::TypedProblem;
+using Case = dcmha::test::BackendCase;
+using dcmha::test::tiled_spec;
 
 template <class T>
 constexpr double tolerance() {
   return std::is_same_v<T, double> ? 1e-9 : 2e-4;
 }
-
-/// One emulated case: the problem, per-sequence lengths (empty: none) and the launch's tiles.
-struct Case {
-  ProblemSpec spec;
-  std::vector<int64_t> query_lengths, key_lengths;
-  LaunchOptions launch;
-  std::string str() const {
-    return spec.str() + " threads=" + std::to_string(launch.threads) +
-           " rows=" + std::to_string(launch.rows) + " keys=" + std::to_string(launch.keys) +
-           (query_lengths.empty() ? "" : " lengths");
-  }
-};
 
 template <class T>
 struct EmulatedRun {
@@ -62,13 +54,6 @@ struct EmulatedRun {
                                       tp.dk(), tp.dv(), tp.compose(), tp.dcompose(), launch);
   }
 };
-
-dcmha::reference::Problem problem_of(const Case& c, uint64_t seed) {
-  dcmha::reference::Problem p = dcmha::test::random_problem(c.spec, seed);
-  p.query_lengths = c.query_lengths;
-  p.key_lengths = c.key_lengths;
-  return p;
-}
 
 /// NaN in every padding row and key of x, a (B, L, inner...) tensor of `inner` values per
 /// position, beyond lengths[b] of L: what the kernels must never read.
@@ -128,26 +113,12 @@ void check_case(const Case& c, uint64_t seed) {
     EXPECT_LE(e.rel, tolerance<T>()) << e.name;
 }
 
-Case small(ProblemSpec spec, int threads, int64_t rows, int64_t keys) {
-  Case c;
-  c.spec = spec;
-  c.launch.threads = threads;
-  c.launch.rows = rows;
-  c.launch.keys = keys;
-  return c;
-}
-
-/// The shapes most cases start from: two groups, GQA, S != T, and tiles of 2 rows x 4 keys, so
-/// that a handful of tokens crosses several tiles and ends in partial ones.
-ProblemSpec base_spec() {
-  ProblemSpec s;
-  s.B = 2, s.H = 4, s.Hk = 2, s.T = 7, s.S = 9, s.D = 5, s.Dv = 3, s.G = 2, s.Rq = 2, s.Rk = 1;
-  s.causal = true;
-  return s;
+Case small(const ProblemSpec& spec, int threads, int64_t rows, int64_t keys) {
+  return dcmha::test::with_launch(spec, {threads, rows, keys, 0});
 }
 
 TEST(CudaKernelsEmulated, EverySwitchAgainstTheReference) {
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   const SideSpec sides[] = {SideSpec::none(),     SideSpec::all(),      SideSpec::dynamic(),
                             {true, false, false}, {false, true, false}, {false, false, true}};
   uint64_t seed = 1;
@@ -160,7 +131,7 @@ TEST(CudaKernelsEmulated, EverySwitchAgainstTheReference) {
 }
 
 TEST(CudaKernelsEmulated, MasksAndWindows) {
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   struct Mask {
     bool causal;
     int64_t window, T, S;
@@ -177,7 +148,7 @@ TEST(CudaKernelsEmulated, MasksAndWindows) {
 }
 
 TEST(CudaKernelsEmulated, PerSequenceLengths) {
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   s.B = 3;
   Case c = small(s, 12, 2, 4);
   // A full sequence, a padded one, and one with no query rows (all padding); padding holds NaN.
@@ -193,7 +164,7 @@ TEST(CudaKernelsEmulated, PerSequenceLengths) {
 }
 
 TEST(CudaKernelsEmulated, TileShapesAndThreadCounts) {
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   s.T = 10, s.S = 13;
   uint64_t seed = 300;
   // Rows and keys per tile from 1 to beyond the problem, odd thread counts (items a thread owns
@@ -211,7 +182,7 @@ TEST(CudaKernelsEmulated, TileShapesAndThreadCounts) {
 TEST(CudaKernelsEmulated, KeysSplitAcrossBlocks) {
   // The split forward (decode's shape: few query blocks, many keys): statistics per share,
   // combined, then P'V per share, summed. More splits than key steps leaves shares empty.
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   s.T = 5, s.S = 23;
   uint64_t seed = 350;
   for (int64_t splits : {2, 7}) {
@@ -222,7 +193,7 @@ TEST(CudaKernelsEmulated, KeysSplitAcrossBlocks) {
       check_case<double>(c, seed++);
     }
   }
-  Case c = small(base_spec(), 8, 2, 2);
+  Case c = small(tiled_spec(), 8, 2, 2);
   c.spec.B = 3;
   c.query_lengths = {7, 2, 0};
   c.key_lengths = {9, 9, 4};
@@ -249,13 +220,13 @@ TEST(CudaKernelsEmulated, LaunchPlanSplitsOnlyWhereBlocksAreFew) {
 
 TEST(CudaKernelsEmulated, ShapesOfTheHeads) {
   uint64_t seed = 400;
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   s.G = 4, s.H = 4, s.Hk = 1;  // M = 1, MQA
   check_case<double>(small(s, 8, 2, 4), seed++);
-  s = base_spec();
+  s = tiled_spec();
   s.H = 6, s.Hk = 3, s.G = 1, s.Rq = 4, s.Rk = 3, s.D = 7, s.Dv = 9;  // ranks above 2, Dv > D
   check_case<double>(small(s, 16, 4, 8), seed++);
-  s = base_spec();
+  s = tiled_spec();
   s.H = 8, s.Hk = 8, s.G = 2, s.Rq = 1, s.Rk = 2, s.causal = false;
   s.scale = 0.7;
   check_case<float>(small(s, 32, 2, 5), seed++);
@@ -288,7 +259,7 @@ TEST(CudaKernelsEmulated, BitwiseTheSameForEveryThreadCount) {
   // Each element's sums run in a fixed order whichever thread owns it and nothing is atomic: the
   // backward is deterministic, and the same for any block size. A missing barrier would show
   // as a difference between runs whose threads interleave differently.
-  Case c = small(base_spec(), 1, 2, 4);
+  Case c = small(tiled_spec(), 1, 2, 4);
   const dcmha::reference::Problem p = problem_of(c, 600);
   const std::vector<double> dout = dcmha::test::random_dout(p, 600);
   const std::vector<double> one = emulated_results<float>(c, p, dout);
@@ -303,7 +274,7 @@ TEST(CudaKernelsEmulated, Bf16StorageIsTheRoundedFloatResult) {
   // bf16 storage widens to float and rounds each result once, so on bf16-valued inputs its
   // results are exactly the float kernels' rounded (lse stays float).
   uint64_t seed = 700;
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   for (bool window : {false, true}) {
     s.window = window ? 3 : 0;
     const Case c = small(s, 16, 2, 4);
@@ -327,7 +298,7 @@ TEST(CudaKernelsEmulated, Bf16StorageIsTheRoundedFloatResult) {
 TEST(CudaKernelsEmulated, DecodeStepsAreTheForwardRows) {
   // The forward kernel over a DecodeCache's slots (a ring for the windowed layer, which wraps
   // here), step by step with uneven counts: its rows are the full causal forward's.
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   s.T = s.S = 12;
   for (int64_t window : {int64_t(0), int64_t(4)}) {
     s.window = window;
@@ -356,7 +327,7 @@ TEST(CudaKernelsEmulated, DecodeStepsAreTheForwardRows) {
 }
 
 TEST(CudaKernelsEmulated, ArgumentsAreValidatedAsOnTheCpu) {
-  const dcmha::reference::Problem p = problem_of(small(base_spec(), 4, 2, 4), 800);
+  const dcmha::reference::Problem p = problem_of(small(tiled_spec(), 4, 2, 4), 800);
   TypedProblem<float> tp(p);
   dcmha::AttentionConfig cfg = tp.config();
   cfg.window = -1;

@@ -15,6 +15,7 @@
 
 #include "cuda/kernel_instances.hpp"
 #include "reference/reference.hpp"
+#include "support/backend_cases.hpp"
 #include "support/decode_steps.hpp"
 #include "support/problem.hpp"
 
@@ -26,6 +27,9 @@ using dcmha::cuda::LaunchOptions;
 using dcmha::test::ProblemSpec;
 using dcmha::test::SideSpec;
 using dcmha::test::TypedProblem;
+using Case = dcmha::test::BackendCase;
+using dcmha::test::tiled_spec;
+using dcmha::test::with_launch;
 
 void check_cuda(cudaError_t status, const char* what) {
   if (status != cudaSuccess)
@@ -91,21 +95,9 @@ class DeviceMirror {
   std::vector<void*> allocations_;
 };
 
-struct Case {
-  ProblemSpec spec;
-  std::vector<int64_t> query_lengths, key_lengths;
-  LaunchOptions launch;
-  std::string str() const {
-    return spec.str() + " threads=" + std::to_string(launch.threads) +
-           " rows=" + std::to_string(launch.rows) + " keys=" + std::to_string(launch.keys) +
-           (query_lengths.empty() ? "" : " lengths");
-  }
-};
-
-dcmha::reference::Problem problem_of(const Case& c, uint64_t seed, bool bf16_values = false) {
-  dcmha::reference::Problem p = dcmha::test::random_problem(c.spec, seed);
-  p.query_lengths = c.query_lengths;
-  p.key_lengths = c.key_lengths;
+/// The case's problem; with bf16_values every input rounded to a bf16 value.
+dcmha::reference::Problem case_problem(const Case& c, uint64_t seed, bool bf16_values) {
+  dcmha::reference::Problem p = dcmha::test::problem_of(c, seed);
   if (!bf16_values) return p;
   auto round = [](std::vector<double>& x) {
     for (double& e : x) e = double(float(dcmha::bf16(float(e))));
@@ -160,7 +152,7 @@ template <class T>
 void check_against_reference(const Case& c, uint64_t seed, double tolerance) {
   SCOPED_TRACE(c.str() + " seed=" + std::to_string(seed));
   const bool bf16 = std::is_same_v<T, dcmha::bf16>;
-  const dcmha::reference::Problem p = problem_of(c, seed, bf16);
+  const dcmha::reference::Problem p = case_problem(c, seed, bf16);
   const std::vector<double> dout = dcmha::test::random_dout(p, seed);
   const auto [expected_out, expected] = dcmha::reference::forward_and_backward(p, dout);
   TypedProblem<T> tp(p);
@@ -172,22 +164,8 @@ void check_against_reference(const Case& c, uint64_t seed, double tolerance) {
     EXPECT_LE(e.rel, tolerance) << e.name;
 }
 
-ProblemSpec base_spec() {
-  ProblemSpec s;
-  s.B = 2, s.H = 4, s.Hk = 2, s.T = 7, s.S = 9, s.D = 5, s.Dv = 3, s.G = 2, s.Rq = 2, s.Rk = 1;
-  s.causal = true;
-  return s;
-}
-
-Case with_launch(ProblemSpec s, LaunchOptions l = {}) {
-  Case c;
-  c.spec = s;
-  c.launch = l;
-  return c;
-}
-
 TEST(CudaGpu, EverySwitchAgainstTheReference) {
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   const SideSpec sides[] = {SideSpec::none(),     SideSpec::all(),      SideSpec::dynamic(),
                             {true, false, false}, {false, true, false}, {false, false, true}};
   uint64_t seed = 1;
@@ -200,12 +178,12 @@ TEST(CudaGpu, EverySwitchAgainstTheReference) {
 }
 
 TEST(CudaGpu, MasksWindowsLengthsAndLongerRows) {
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   s.T = 150, s.S = 170, s.D = 32, s.Dv = 24;
   check_against_reference<float>(with_launch(s), 10, 2e-4);
   s.causal = false, s.window = 37;
   check_against_reference<float>(with_launch(s), 11, 2e-4);
-  Case c = with_launch(base_spec());
+  Case c = with_launch(tiled_spec());
   c.spec.B = 3;
   c.query_lengths = {7, 4, 0};
   c.key_lengths = {9, 6, 3};
@@ -222,8 +200,8 @@ TEST(CudaGpu, OfficialShapeInBf16) {
 }
 
 TEST(CudaGpu, BackwardIsBitwiseDeterministic) {
-  const Case c = with_launch(base_spec());
-  const dcmha::reference::Problem p = problem_of(c, 40);
+  const Case c = with_launch(tiled_spec());
+  const dcmha::reference::Problem p = dcmha::test::problem_of(c, 40);
   const std::vector<double> dout = dcmha::test::random_dout(p, 40);
   TypedProblem<float> a(p), b(p);
   a.set_dout(dout), b.set_dout(dout);
@@ -272,19 +250,19 @@ TEST(CudaGpu, SmallCaseForTheSanitizers) {
   // scripts/gpu_check.sh runs compute-sanitizer's tools on this one: every kernel (forward, both
   // backward sides, the W sums, append, decode with split keys and their combination) on a tiny
   // problem with every term, GQA, two groups and per-sequence lengths.
-  Case c = with_launch(base_spec());
+  Case c = with_launch(tiled_spec());
   c.spec.pre.static_w = c.spec.post.static_w = true;
   c.query_lengths = {7, 5};
   c.key_lengths = {9, 6};
   check_against_reference<float>(c, 70, 2e-4);
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   s.T = s.S = 9, s.window = 3;
   check_decode_steps(s, 71, {{4, 2}, {1, 3}, {4, 4}}, 4, {0, 0, 2, 3});
 }
 
 TEST(CudaGpu, DecodeStepsAreTheForwardRows) {
   // Uneven counts per step; the windowed layer's ring wraps.
-  ProblemSpec s = base_spec();
+  ProblemSpec s = tiled_spec();
   s.T = s.S = 40, s.D = 16, s.Dv = 16;
   dcmha::test::DecodeSchedule schedule = {{8, 5}};
   for (int64_t i = 0, done0 = 8, done1 = 5; done0 < 40 || done1 < 40; ++i) {
@@ -301,8 +279,8 @@ TEST(CudaGpu, DecodeStepsAreTheForwardRows) {
 }
 
 TEST(CudaGpu, ErrorsNameTheArgumentOrTheCudaCall) {
-  const Case c = with_launch(base_spec(), {2048, 0, 0});  // more threads than a block may have
-  const dcmha::reference::Problem p = problem_of(c, 50);
+  const Case c = with_launch(tiled_spec(), {2048, 0, 0});  // more threads than a block may have
+  const dcmha::reference::Problem p = dcmha::test::problem_of(c, 50);
   TypedProblem<float> tp(p);
   dcmha::cuda::DeviceWorkspace ws;
   try {
