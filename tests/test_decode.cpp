@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "dcmha/dcmha.hpp"
+#include "support/decode_steps.hpp"
 #include "support/problem.hpp"
 
 namespace {
@@ -95,35 +96,6 @@ std::string describe(const Schedule& sch) {
   if (sch.caller_memory) r += " caller memory";
   if (sch.workspace) r += " workspace";
   return r;
-}
-
-/// Copies tokens [start[b], start[b] + count[b]) of every sequence b out of a canonical tensor
-/// whose dim `td` is the token dim, into a dense buffer whose token dim has n entries; the rest
-/// is `fill` (NaN for everything the cache or kernel must never read).
-template <class T>
-std::vector<T> gather(const std::vector<double>& src, std::vector<int64_t> shape, int td,
-                      const std::vector<int64_t>& start, const std::vector<int64_t>& count,
-                      int64_t n, double fill) {
-  std::vector<int64_t> out_shape = shape;
-  out_shape[size_t(td)] = n;
-  int64_t total = 1;
-  for (int64_t s : out_shape) total *= s;
-  std::vector<T> out(static_cast<size_t>(total), T(fill));
-  std::vector<int64_t> idx(shape.size(), 0);
-  for (int64_t flat = 0; flat < total; ++flat) {
-    const int64_t b = idx[0], i = idx[size_t(td)];
-    if (i < count[size_t(b)]) {
-      int64_t off = 0;
-      for (size_t d = 0; d < shape.size(); ++d)
-        off = off * shape[d] + (int(d) == td ? start[size_t(b)] + i : idx[d]);
-      out[size_t(flat)] = T(src[size_t(off)]);
-    }
-    for (int d = int(shape.size()) - 1; d >= 0; --d) {
-      if (++idx[size_t(d)] < out_shape[size_t(d)]) break;
-      idx[size_t(d)] = 0;
-    }
-  }
-  return out;
 }
 
 /// (B, X, n, Y) buffer as a (B, X, n, Y) view, or, when it was gathered as (B, n, X, Y), as bthd.
@@ -277,9 +249,9 @@ std::vector<double> run_decode(const dcmha::reference::Problem& p, const Problem
     const std::vector<int64_t>& count = plan[size_t(step)];
     const int64_t n = *std::max_element(count.begin(), count.end());
 
-    std::vector<T> q = gather<T>(q_src, q_shape, td, done, count, n, nan);
-    std::vector<T> k = gather<T>(k_src, k_shape, td, done, count, n, nan);
-    std::vector<T> v = gather<T>(v_src, v_shape, td, done, count, n, nan);
+    std::vector<T> q = dcmha::test::gather_tokens<T>(q_src, q_shape, td, done, count, n, nan);
+    std::vector<T> k = dcmha::test::gather_tokens<T>(k_src, k_shape, td, done, count, n, nan);
+    std::vector<T> v = dcmha::test::gather_tokens<T>(v_src, v_shape, td, done, count, n, nan);
     std::vector<T> out(static_cast<size_t>(B * H * n * Dv), T(nan));
     std::vector<std::vector<T>> keep;  // compose buffers of this step
     dcmha::ComposeWeights<T> query_side, key_side;
@@ -287,11 +259,11 @@ std::vector<double> run_decode(const dcmha::reference::Problem& p, const Problem
     // and q), finite for query-wise terms (the kernel multiplies the zero probabilities of a
     // padding row by them, and 0 * NaN is NaN).
     auto lowrank = [&](const std::vector<double>& x, int64_t R, double fill) {
-      keep.push_back(gather<T>(x, {B, T_, G, R, M}, 1, done, count, n, fill));
+      keep.push_back(dcmha::test::gather_tokens<T>(x, {B, T_, G, R, M}, 1, done, count, n, fill));
       return dcmha::view<5>(static_cast<const T*>(keep.back().data()), {B, n, G, R, M});
     };
     auto gate = [&](const std::vector<double>& x, double fill) {
-      keep.push_back(gather<T>(x, {B, T_, G, M}, 1, done, count, n, fill));
+      keep.push_back(dcmha::test::gather_tokens<T>(x, {B, T_, G, M}, 1, done, count, n, fill));
       return dcmha::view<4>(static_cast<const T*>(keep.back().data()), {B, n, G, M});
     };
     const dcmha::reference::ComposeSide* ref_sides[2] = {&p.pre, &p.post};

@@ -66,6 +66,18 @@ DCMHA_HOST_DEVICE void zero_sums(const ComposeTerms<T>& side, const LowRankSums<
       for (index_t r = 0; r < ranks[a]; ++r) arrays[a][r * P + pos] = 0;
 }
 
+/// Outside the tile (or its sequences' lengths) the output is 0, and with the side off it is the
+/// input; either way the position's low-rank sums are 0. Returns whether Compose proper is due.
+template <class T, class A>
+DCMHA_HOST_DEVICE bool composes_here(const ComposeTerms<T>& side, const Position& q, const A* in,
+                                     A* out, const LowRankSums<A>& sums, index_t pos, index_t P,
+                                     index_t M) {
+  if (q.real && side.enabled()) return true;
+  for (index_t m = 0; m < M; ++m) out[m * P + pos] = q.real ? in[m * P + pos] : A(0);
+  zero_sums(side, sums, pos, P);
+  return false;
+}
+
 /// y = Compose(x) at every position of the tile; a side that is off copies.
 template <class Block, class T, class A>
 DCMHA_HOST_DEVICE void compose_tile(const Block& blk, const ComposeTerms<T>& side,
@@ -74,11 +86,7 @@ DCMHA_HOST_DEVICE void compose_tile(const Block& blk, const ComposeTerms<T>& sid
   const index_t P = geo.positions(), M = geo.M, b = at.rows.b, g = at.rows.g;
   for_each_owned(blk, P, [&](index_t pos) {
     const Position q = position(geo, at, pos);
-    if (!q.real || !side.enabled()) {
-      for (index_t n = 0; n < M; ++n) y[n * P + pos] = q.real ? x[n * P + pos] : A(0);
-      zero_sums(side, sums, pos, P);
-      return;
-    }
+    if (!composes_here(side, q, x, y, sums, pos, P, M)) return;
     for (index_t r = 0; r < query_rank(side); ++r) {
       A sum = 0;
       for (index_t m = 0; m < M; ++m) sum += x[m * P + pos] * A(side.qw1(b, q.t, g, r, m));
@@ -118,11 +126,7 @@ DCMHA_HOST_DEVICE void compose_transpose_tile(const Block& blk, const ComposeTer
   const index_t P = geo.positions(), M = geo.M, b = at.rows.b, g = at.rows.g;
   for_each_owned(blk, P, [&](index_t pos) {
     const Position q = position(geo, at, pos);
-    if (!q.real || !side.enabled()) {
-      for (index_t m = 0; m < M; ++m) dx[m * P + pos] = q.real ? dy[m * P + pos] : A(0);
-      zero_sums(side, sums, pos, P);
-      return;
-    }
+    if (!composes_here(side, q, dy, dx, sums, pos, P, M)) return;
     for (index_t r = 0; r < query_rank(side); ++r) {
       A of_input = 0, of_grad = 0;
       for (index_t m = 0; m < M; ++m) {
