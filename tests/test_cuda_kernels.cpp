@@ -5,7 +5,10 @@
 // kernels rounded; and the backward is checked bitwise from run to run.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -26,6 +29,7 @@ using dcmha::test::SideSpec;
 using dcmha::test::TypedProblem;
 using Case = dcmha::test::BackendCase;
 using dcmha::test::tiled_spec;
+using dcmha::test::with_launch;
 
 template <class T>
 constexpr double tolerance() {
@@ -218,6 +222,43 @@ TEST(CudaKernelsEmulated, LaunchPlanSplitsOnlyWhereBlocksAreFew) {
   EXPECT_EQ(plan(1, 32, 1, 1, 64).splits, 1);  // too few keys to share
 }
 
+TEST(CudaKernelsEmulated, LaunchPlanTakesTensorCoresForBf16) {
+  // The official DCMHA in bf16 (32 heads in one group, D = Dv = 128, rank 2): all four warps
+  // stage for the tensor cores and the blocks keep the scalar plan's 2 rows within the budget.
+  // float, D = 100 and 48 threads stay scalar.
+  auto plan = [](auto scalar, index_t D, int threads) {
+    using T = decltype(scalar);
+    dcmha::detail::ForwardParams<T> p;
+    p.dims = {4, 32, 32, 2048, 2048, D, D, 1, 32};
+    p.compose.pre.query_wise = p.compose.pre.key_wise = true;
+    p.compose.pre.qw1.shape[3] = p.compose.pre.kw1.shape[3] = 2;
+    LaunchOptions opt;
+    opt.threads = threads;
+    return dcmha::cuda::forward_launch("plan", p, opt).blocks;
+  };
+  const dcmha::cuda::KernelLaunch official = plan(dcmha::bf16(), 128, 0);
+  EXPECT_EQ(official.geo.tensor_warps, 4);
+  EXPECT_EQ(official.geo.rows, plan(float(), 128, 0).geo.rows);
+  EXPECT_EQ(official.geo.rows, 2);
+  EXPECT_LE(official.shared_bytes, dcmha::cuda::kSharedMemoryBudget);
+  EXPECT_EQ(plan(float(), 128, 0).geo.tensor_warps, 0);
+  EXPECT_EQ(plan(dcmha::bf16(), 100, 0).geo.tensor_warps, 0);
+  EXPECT_EQ(plan(dcmha::bf16(), 128, 48).geo.tensor_warps, 0);
+  // Its backward, with both sides' terms on, keeps the scalar plan's rows as well.
+  dcmha::detail::BackwardParams<dcmha::bf16> b;
+  b.dims = {4, 32, 32, 2048, 2048, 128, 128, 1, 32};
+  for (auto* side : {&b.compose.pre, &b.compose.post}) {
+    side->static_w = side->query_wise = side->key_wise = true;
+    side->qw1.shape[3] = side->kw1.shape[3] = 2;
+  }
+  const dcmha::cuda::BackwardLaunch backward = dcmha::cuda::backward_launch("plan", b);
+  // One of its four warps stages there: what the tile leaves of the budget.
+  EXPECT_EQ(backward.query.geo.tensor_warps, 1);
+  EXPECT_EQ(backward.query.geo.rows, 2);
+  EXPECT_LE(backward.query.shared_bytes, dcmha::cuda::kSharedMemoryBudget);
+  EXPECT_LE(backward.key.shared_bytes, dcmha::cuda::kSharedMemoryBudget);
+}
+
 TEST(CudaKernelsEmulated, ShapesOfTheHeads) {
   uint64_t seed = 400;
   ProblemSpec s = tiled_spec();
@@ -293,6 +334,126 @@ TEST(CudaKernelsEmulated, Bf16StorageIsTheRoundedFloatResult) {
     }
     EXPECT_EQ(mismatches, 0u);
   }
+}
+
+TEST(CudaKernelsEmulated, WarpProductIsTheMatrixProduct) {
+  // Small integers: every product and sum is exact in float, so C must be A B exactly, in both
+  // layouts of B. Operands sit in padded rows holding NaN, which the product must not read.
+  constexpr int kDepth = 32, kLd = 40, kLdc = 36;
+  alignas(32) dcmha::bf16 a[8 * kLd], b[32 * kLd];
+  alignas(32) float c[8 * kLdc];
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int i = 0; i < 8 * kLd; ++i) a[i] = dcmha::bf16(i % kLd < kDepth ? float(i % 7 - 3) : nan);
+  for (int i = 0; i < 32 * kLd; ++i) b[i] = dcmha::bf16(i % kLd < 32 ? float(i % 5 - 2) : nan);
+  for (auto layout : {dcmha::cuda::Layout::row_major, dcmha::cuda::Layout::column_major}) {
+    const bool rows = layout == dcmha::cuda::Layout::row_major;
+    std::fill(std::begin(c), std::end(c), nan);
+    dcmha::cuda::host::launch({1, 1, 1}, 32, 0, [&](const dcmha::cuda::host::HostBlock& blk) {
+      if (rows)
+        dcmha::cuda::warp_product<dcmha::cuda::Layout::row_major>(blk, a, kLd, b, kLd, kDepth, c,
+                                                                  kLdc);
+      else
+        dcmha::cuda::warp_product<dcmha::cuda::Layout::column_major>(blk, a, kLd, b, kLd, kDepth, c,
+                                                                     kLdc);
+    });
+    for (int i = 0; i < 8; ++i)
+      for (int j = 0; j < 32; ++j) {
+        double expected = 0;
+        for (int d = 0; d < kDepth; ++d)
+          expected += double(a[i * kLd + d]) * double(rows ? b[d * kLd + j] : b[j * kLd + d]);
+        ASSERT_EQ(double(c[i * kLdc + j]), expected) << "rows=" << rows << " " << i << "," << j;
+      }
+  }
+  // An operand the tensor cores could not load (not 32-byte aligned) is an error off the device.
+  EXPECT_THROW(
+      dcmha::cuda::host::launch({1, 1, 1}, 32, 0,
+                                [&](const dcmha::cuda::host::HostBlock& blk) {
+                                  dcmha::cuda::warp_product<dcmha::cuda::Layout::row_major>(
+                                      blk, a + 1, kLd, b, kLd, kDepth, c, kLdc);
+                                }),
+      std::logic_error);
+}
+
+/// Whether the planned forward of c takes its products on tensor cores.
+bool plans_tensor_cores(const Case& c, const dcmha::reference::Problem& p) {
+  TypedProblem<dcmha::bf16> tp(p);
+  const auto params = dcmha::detail::forward_params("plan", tp.config(), tp.q(), tp.k(), tp.v(),
+                                                    tp.out(), tp.lse(), tp.compose());
+  return dcmha::cuda::forward_launch("plan", params, c.launch).blocks.geo.tensor_warps > 0;
+}
+
+/// bf16 with the products on tensor cores. On the host their sums run in the scalar path's
+/// order, so the scores, and with them lse and the whole backward (which recomputes P from lse),
+/// are bitwise the scalar path's; P'V takes P' rounded to bf16 and is checked against the
+/// reference.
+void check_tensor_core_case(Case c, uint64_t seed) {
+  SCOPED_TRACE(c.str() + " seed=" + std::to_string(seed));
+  const dcmha::reference::Problem clean = dcmha::test::bf16_problem(problem_of(c, seed));
+  std::vector<double> clean_dout = dcmha::test::random_dout(clean, seed);
+  dcmha::test::round_all(clean_dout);
+  ASSERT_TRUE(plans_tensor_cores(c, clean));
+  dcmha::reference::Problem p = clean;
+  std::vector<double> dout = clean_dout;
+  poison_padding(p, dout);
+  EmulatedRun<dcmha::bf16> tensor(c, p, dout);
+  tensor.forward(c.launch);
+  tensor.backward(c.launch);
+  EXPECT_LE(dcmha::test::max_rel_error(dcmha::reference::forward(clean), tensor.tp.out_values()),
+            1e-2);
+  c.launch.tensor_cores = false;
+  EmulatedRun<dcmha::bf16> scalar(c, p, dout);
+  scalar.forward(c.launch);
+  scalar.backward(c.launch);
+  EXPECT_EQ(dcmha::test::first_bitwise_difference(scalar.tp.lse_values(), tensor.tp.lse_values()),
+            -1);
+  const std::vector<double> none;
+  EXPECT_EQ(dcmha::test::first_bitwise_difference(
+                dcmha::test::with_gradients(none, scalar.tp.gradients()),
+                dcmha::test::with_gradients(none, tensor.tp.gradients())),
+            -1);
+}
+
+TEST(CudaKernelsEmulated, TensorCoreProducts) {
+  // Two steps of 32 keys (the second partial), chunks of 8 rows with padding (3 rows), several
+  // chunks (16 rows), GQA, two groups, S != T.
+  ProblemSpec s = tiled_spec();
+  s.T = 11, s.S = 36, s.D = 16, s.Dv = 64;
+  uint64_t seed = 1100;
+  for (const LaunchOptions& l :
+       std::vector<LaunchOptions>{{64, 3, 32, 0}, {32, 16, 32, 0}, {96, 8, 32, 0}}) {
+    check_tensor_core_case(dcmha::test::with_launch(s, l), seed++);
+  }
+  // A window, MHA, rows that see no key (S < T, causal), the official group of 32 heads.
+  s.window = 5;
+  check_tensor_core_case(small(s, 64, 4, 32), seed++);
+  s.window = 0, s.pre = s.post = SideSpec::none(), s.T = 40, s.S = 21;
+  check_tensor_core_case(small(s, 32, 8, 32), seed++);
+  ProblemSpec official = s;
+  official.B = 1, official.H = official.Hk = 32, official.G = 1, official.T = 5, official.S = 33;
+  official.D = 32, official.Dv = 32, official.Rq = official.Rk = 2;
+  official.pre = official.post = SideSpec::all();
+  check_tensor_core_case(small(official, 64, 0, 0), seed++);
+  // D = Dv = 512: the budget leaves staging for 2 of the block's 4 warps, which take every item.
+  ProblemSpec wide = s;
+  wide.B = 1, wide.H = 2, wide.Hk = 1, wide.G = 2, wide.T = 3, wide.S = 40, wide.D = wide.Dv = 512;
+  const Case partial = with_launch(wide);
+  check_tensor_core_case(partial, seed++);
+  TypedProblem<dcmha::bf16> tp(dcmha::test::bf16_problem(problem_of(partial, 0)));
+  const auto params = dcmha::detail::forward_params("plan", tp.config(), tp.q(), tp.k(), tp.v(),
+                                                    tp.out(), tp.lse(), tp.compose());
+  EXPECT_EQ(dcmha::cuda::forward_launch("plan", params).blocks.geo.tensor_warps, 2);
+}
+
+TEST(CudaKernelsEmulated, TensorCoreProductsWithLengthsAndSplits) {
+  ProblemSpec s = tiled_spec();
+  s.B = 3, s.T = 9, s.S = 70, s.D = 16, s.Dv = 32;
+  Case c = small(s, 32, 4, 32);
+  c.query_lengths = {9, 5, 0};  // padding holds NaN, which staging must leave out
+  c.key_lengths = {70, 33, 4};
+  check_tensor_core_case(c, 1200);
+  c.launch.key_splits = 2;
+  c.spec.window = 6;
+  check_tensor_core_case(c, 1201);
 }
 
 TEST(CudaKernelsEmulated, DecodeStepsAreTheForwardRows) {

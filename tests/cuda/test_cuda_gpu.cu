@@ -191,12 +191,28 @@ TEST(CudaGpu, MasksWindowsLengthsAndLongerRows) {
 }
 
 TEST(CudaGpu, OfficialShapeInBf16) {
-  // 32 heads in one group, every term, D = 64: the reference's result within bf16's resolution.
+  // 32 heads in one group, every term, D = 64: the reference's result within bf16's resolution,
+  // with the products on tensor cores and without.
   ProblemSpec s;
   s.B = 1, s.H = 32, s.Hk = 32, s.G = 1, s.T = 40, s.S = 40, s.D = 64, s.Dv = 64;
   s.causal = true;
   check_against_reference<float>(with_launch(s), 20, 2e-4);
   check_against_reference<dcmha::bf16>(with_launch(s), 21, 2e-2);
+  dcmha::cuda::LaunchOptions scalar;
+  scalar.tensor_cores = false;
+  check_against_reference<dcmha::bf16>(with_launch(s, scalar), 22, 2e-2);
+}
+
+TEST(CudaGpu, TensorCoresWithLengthsGqaAndSplits) {
+  // bf16 tensor-core tiles over padded sequences, partial key steps, GQA and split keys.
+  ProblemSpec s = tiled_spec();
+  s.B = 3, s.T = 21, s.S = 75, s.D = 32, s.Dv = 64;
+  Case c = with_launch(s, {64, 8, 32, 0});
+  c.query_lengths = {21, 9, 0};
+  c.key_lengths = {75, 40, 5};
+  check_against_reference<dcmha::bf16>(c, 23, 2e-2);
+  c.launch.key_splits = 2;
+  check_against_reference<dcmha::bf16>(c, 24, 2e-2);
 }
 
 TEST(CudaGpu, BackwardIsBitwiseDeterministic) {

@@ -31,6 +31,7 @@ struct ChainShared {
   A *scores, *probabilities, *upstream, *grads;  // [M][rows][keys]
   LowRankSums<A> sums;                           // [rank][positions] each
   A *lse, *row_dot;                              // [M][rows]
+  TensorCoreStaging tensor_cores;                // bf16 with geo.tensor_warps: L and dP'
 
   DCMHA_HOST_DEVICE void carve(SharedArena<A>& arena, const TileGeometry& geo) {
     scores = arena.take(geo.scores());
@@ -43,6 +44,7 @@ struct ChainShared {
     sums.key_of_grad = arena.take(geo.rank * geo.positions());
     lse = arena.take(geo.M * geo.rows);
     row_dot = arena.take(geo.M * geo.rows);
+    if constexpr (std::is_same_v<A, float>) tensor_cores.carve(arena, geo);
   }
 };
 
@@ -65,7 +67,8 @@ class TileChain {
 
   /// Scores, P and dP of the tile at `at` (the first pass needs no more); ends synced.
   DCMHA_HOST_DEVICE void probabilities_and_grads(const TilePlace& at) {
-    composed_score_tile(blk_, p_, geo_, at, sh_.scores, sh_.probabilities, sh_.sums);
+    composed_score_tile(blk_, p_, geo_, at, sh_.tensor_cores, sh_.scores, sh_.probabilities,
+                        sh_.sums);
     probabilities_tile(blk_, p_, geo_, at, sh_.lse, sh_.probabilities);
     output_grad_tile(at);
     blk_.sync();
@@ -92,6 +95,9 @@ class TileChain {
  private:
   /// upstream[m][r][c] = dO_h[t] . v_kv(h)[s] inside the tile, 0 outside.
   DCMHA_HOST_DEVICE void output_grad_tile(const TilePlace& at) {
+    if constexpr (std::is_same_v<T, bf16>)
+      if (geo_.tensor_warps > 0)
+        return output_grad_tile_on_tensor_cores(blk_, p_, geo_, at, sh_.tensor_cores, sh_.upstream);
     const index_t P = geo_.positions(), heads_per_kv = p_.dims.H / p_.dims.Hk;
     for_each_owned(blk_, geo_.scores(), [&](index_t i) {
       const index_t m = i / P, h = at.rows.g * geo_.M + m, b = at.rows.b;

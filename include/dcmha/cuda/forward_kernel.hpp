@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "scores_tile.hpp"
+#include "tensor_core_tile.hpp"
 
 namespace dcmha::cuda {
 
@@ -20,10 +21,11 @@ namespace dcmha::cuda {
 template <class A>
 struct ForwardShared {
   using value_type = A;
-  A *scores, *composed;        // [M][rows][keys]
-  LowRankSums<A> sums;         // [rank][positions], of the input
-  A *row_max, *row_sum, *lse;  // [M][rows]
-  A* out;                      // [M][rows][Dv]
+  A *scores, *composed;            // [M][rows][keys]
+  LowRankSums<A> sums;             // [rank][positions], of the input
+  A *row_max, *row_sum, *lse;      // [M][rows]
+  A* out;                          // [M][rows][Dv]
+  TensorCoreStaging tensor_cores;  // bf16 with geo.tensor_warps: the products' staging
 
   DCMHA_HOST_DEVICE void carve(SharedArena<A>& arena, const TileGeometry& geo) {
     scores = arena.take(geo.scores());
@@ -34,6 +36,7 @@ struct ForwardShared {
     row_sum = arena.take(geo.M * geo.rows);
     lse = arena.take(geo.M * geo.rows);
     out = arena.take(geo.M * geo.rows * geo.Dv);
+    if constexpr (std::is_same_v<A, float>) tensor_cores.carve(arena, geo);
   }
 };
 
@@ -133,7 +136,8 @@ class ForwardKernel {
   DCMHA_HOST_DEVICE void statistics_pass(const KeyRange& keys) {
     for (index_t s0 = keys.begin; s0 < keys.end; s0 += geo_.keys) {
       step_to(s0, keys.end);
-      composed_score_tile(blk_, p_, geo_, at_, sh_.scores, sh_.composed, sh_.sums);
+      composed_score_tile(blk_, p_, geo_, at_, sh_.tensor_cores, sh_.scores, sh_.composed,
+                          sh_.sums);
       accumulate_statistics();
       blk_.sync();
     }
@@ -143,7 +147,8 @@ class ForwardKernel {
   DCMHA_HOST_DEVICE void values_pass(const KeyRange& keys) {
     for (index_t s0 = keys.begin; s0 < keys.end; s0 += geo_.keys) {
       step_to(s0, keys.end);
-      composed_score_tile(blk_, p_, geo_, at_, sh_.scores, sh_.composed, sh_.sums);
+      composed_score_tile(blk_, p_, geo_, at_, sh_.tensor_cores, sh_.scores, sh_.composed,
+                          sh_.sums);
       probabilities_tile(blk_, p_, geo_, at_, sh_.lse, sh_.composed);
       blk_.sync();
       compose_tile(blk_, p_.compose.post, geo_, at_, sh_.composed, sh_.scores, sh_.sums);
@@ -195,6 +200,10 @@ class ForwardKernel {
 
   /// out[m][r][e] += sum_c P'[m][r][c] v[s][e]: item (m, r, e) is one thread's in every step.
   DCMHA_HOST_DEVICE void accumulate_values(const A* composed_probabilities) {
+    if constexpr (std::is_same_v<T, bf16>)
+      if (geo_.tensor_warps > 0)
+        return accumulate_values_on_tensor_cores(blk_, p_, geo_, at_, sh_.tensor_cores,
+                                                 composed_probabilities, sh_.out);
     const index_t heads_per_kv = p_.dims.H / p_.dims.Hk, b = at_.rows.b;
     for_each_owned(blk_, geo_.M * geo_.rows * geo_.Dv, [&](index_t item) {
       const index_t m = item / (geo_.rows * geo_.Dv), r = item / geo_.Dv % geo_.rows;

@@ -24,9 +24,10 @@ constexpr index_t kMinStepsPerSplit = 4;
 /// Overrides for tests and tuning: 0 keeps the planned value.
 struct LaunchOptions {
   int threads = 0;
-  index_t rows = 0;        // query rows per block
-  index_t keys = 0;        // keys per step
-  index_t key_splits = 0;  // forward: blocks that share a query tile's keys (1: no split)
+  index_t rows = 0;          // query rows per block
+  index_t keys = 0;          // keys per step
+  index_t key_splits = 0;    // forward: blocks that share a query tile's keys (1: no split)
+  bool tensor_cores = true;  // bf16: products on tensor cores where the shapes allow
 };
 
 struct Grid3 {
@@ -77,6 +78,21 @@ TileGeometry base_geometry(const detail::QkvParams<T>& p, const LaunchOptions& o
   return geo;
 }
 
+/// geo with as many warps staging for the tensor cores as the budget leaves room for (every warp
+/// of the block first, halving down to one), or none where the shapes or the options rule them
+/// out. The rows are the scalar plan's: the tensor cores take what memory the tile leaves.
+template <class T, class... Shared>
+TileGeometry with_tensor_cores(TileGeometry geo, const LaunchOptions& opt) {
+  const int threads = opt.threads > 0 ? opt.threads : kDefaultThreads;
+  if (!opt.tensor_cores || !tensor_core_shape<T>(geo, threads)) return geo;
+  for (index_t warps = threads / kWarpSize; warps >= 1; warps /= 2) {
+    geo.tensor_warps = warps;
+    if (((shared_bytes<Shared>(geo) <= kSharedMemoryBudget) && ...)) return geo;
+  }
+  geo.tensor_warps = 0;
+  return geo;
+}
+
 template <class Shared>
 KernelLaunch finish_launch(const TileGeometry& geo, const LaunchOptions& opt, Grid3 grid) {
   KernelLaunch l;
@@ -115,7 +131,8 @@ template <class T>
 ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
                              const LaunchOptions& opt = {}) {
   using Shared = ForwardShared<acc_t<T>>;
-  const TileGeometry geo = fit_rows<Shared>(fn, base_geometry(p, opt), p.dims.T, opt);
+  const TileGeometry geo =
+      with_tensor_cores<T, Shared>(fit_rows<Shared>(fn, base_geometry(p, opt), p.dims.T, opt), opt);
   const index_t tiles = (p.dims.T + geo.rows - 1) / geo.rows;
   const index_t blocks = tiles * p.dims.G * p.dims.B;
   const index_t steps = (p.dims.S + geo.keys - 1) / geo.keys;
@@ -142,7 +159,8 @@ template <class T>
 BackwardLaunch backward_launch(const char* fn, const detail::BackwardParams<T>& p,
                                const LaunchOptions& opt = {}) {
   using A = acc_t<T>;
-  TileGeometry geo = fit_rows<QueryGradShared<A>>(fn, base_geometry(p, opt), p.dims.T, opt);
+  const TileGeometry geo = with_tensor_cores<T, QueryGradShared<A>, KeyGradShared<A>>(
+      fit_rows<QueryGradShared<A>>(fn, base_geometry(p, opt), p.dims.T, opt), opt);
   if (shared_bytes<KeyGradShared<A>>(geo) > kSharedMemoryBudget)
     detail::fail(fn, ": the key side needs ", shared_bytes<KeyGradShared<A>>(geo),
                  " bytes of shared memory per block, expected at most ", kSharedMemoryBudget);

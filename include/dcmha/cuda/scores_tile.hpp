@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "compose_tile.hpp"
+#include "tensor_core_tile.hpp"
 
 namespace dcmha::cuda {
 
@@ -29,12 +30,23 @@ DCMHA_HOST_DEVICE void score_tile(const Block& blk, const detail::QkvParams<T>& 
   });
 }
 
+/// score_tile, on tensor cores where the plan staged for them.
+template <class Block, class T, class A>
+DCMHA_HOST_DEVICE void planned_score_tile(const Block& blk, const detail::QkvParams<T>& p,
+                                          const TileGeometry& geo, const TilePlace& at,
+                                          const TensorCoreStaging& staging, A* scores) {
+  if constexpr (std::is_same_v<T, bf16>)
+    if (geo.tensor_warps > 0) return score_tile_on_tensor_cores(blk, p, geo, at, staging, scores);
+  score_tile(blk, p, geo, at, scores);
+}
+
 /// The tile's raw scores into `scores` and the pre-composed ones into `composed`; ends synced.
 template <class Block, class T, class A>
 DCMHA_HOST_DEVICE void composed_score_tile(const Block& blk, const detail::QkvParams<T>& p,
-                                           const TileGeometry& geo, const TilePlace& at, A* scores,
-                                           A* composed, LowRankSums<A> sums) {
-  score_tile(blk, p, geo, at, scores);
+                                           const TileGeometry& geo, const TilePlace& at,
+                                           const TensorCoreStaging& staging, A* scores, A* composed,
+                                           LowRankSums<A> sums) {
+  planned_score_tile(blk, p, geo, at, staging, scores);
   blk.sync();
   compose_tile(blk, p.compose.pre, geo, at, scores, composed, sums);
   blk.sync();

@@ -6,13 +6,26 @@
 //   blk.thread(), blk.threads()   this thread's index in the block, the block's thread count
 //   blk.block(0..2)               the block's index in the grid (x, y, z)
 //   blk.sync()                    __syncthreads(): every thread of the block arrives first
+//   blk.sync_warp()               __syncwarp(): every thread of this thread's warp arrives first
 //   blk.shared()                  the block's dynamic shared memory
 //
-// The kernels use nothing else of the GPU (no warp shuffles, votes or tensor-core fragments), so
-// these five are all an execution layer must provide.
+// Besides these six the kernels use the tensor-core products of warp_matrix.hpp, which the
+// execution layer need not know: off the device they are plain loops over each lane's results.
 #include "../tensor.hpp"
 
 namespace dcmha::cuda {
+
+/// Threads per warp: the unit of sync_warp() and of the tensor-core products.
+constexpr int kWarpSize = 32;
+
+template <class Block>
+DCMHA_HOST_DEVICE int lane_of(const Block& blk) {
+  return blk.thread() % kWarpSize;
+}
+template <class Block>
+DCMHA_HOST_DEVICE int warp_of(const Block& blk) {
+  return blk.thread() / kWarpSize;
+}
 
 /// Calls f(i) for the items i in [0, n) that thread blk.thread() owns: i = thread, thread +
 /// threads, ... The same thread owns the same items in every call with the same n, which is what
@@ -30,8 +43,10 @@ struct DeviceBlock {
     return axis == 0 ? blockIdx.x : axis == 1 ? blockIdx.y : blockIdx.z;
   }
   __device__ void sync() const { __syncthreads(); }
+  __device__ void sync_warp() const { __syncwarp(); }
   __device__ void* shared() const {
-    extern __shared__ double dcmha_dynamic_shared[];  // double: aligned for every scalar type
+    // 128-byte aligned: every scalar type and the tensor-core loads (32 bytes) start aligned.
+    extern __shared__ __align__(128) double dcmha_dynamic_shared[];
     return dcmha_dynamic_shared;
   }
 };

@@ -1,6 +1,7 @@
 #pragma once
 // A kernel body (simt.hpp) executed on the host: each block's threads are real host threads that
-// meet at a real barrier for sync(), and the block's shared memory is one buffer they share. The
+// meet at a real barrier for sync() (and their warp's for sync_warp()), and the block's shared
+// memory is one buffer they share, aligned as the device's is. The
 // indexing, masking, synchronization and arithmetic of the CUDA kernels thus run, unchanged, on
 // any machine; a missing sync() shows up as a race between threads that truly run concurrently.
 // Shared memory is filled with NaN before each block, so a read of a value no thread wrote poisons
@@ -9,6 +10,7 @@
 // For tests and for CI without a GPU: one launch at a time, blocks in grid order.
 #include <condition_variable>
 #include <cstddef>
+#include <deque>
 #include <cstdint>
 #include <exception>
 #include <limits>
@@ -50,48 +52,69 @@ struct Grid {
 /// What one host thread sees of its block.
 class HostBlock {
  public:
-  HostBlock(int thread, int threads, Barrier& barrier, double* shared)
-      : thread_(thread), threads_(threads), barrier_(&barrier), shared_(shared) {}
+  HostBlock(int thread, int threads, Barrier& barrier, Barrier& warp_barrier, double* shared)
+      : thread_(thread),
+        threads_(threads),
+        barrier_(&barrier),
+        warp_barrier_(&warp_barrier),
+        shared_(shared) {}
   int thread() const { return thread_; }
   int threads() const { return threads_; }
   index_t block(int axis) const { return index_[axis]; }
   void sync() const { barrier_->arrive_and_wait(); }
+  void sync_warp() const { warp_barrier_->arrive_and_wait(); }
   void* shared() const { return shared_; }
   void at(index_t x, index_t y, index_t z) { index_[0] = x, index_[1] = y, index_[2] = z; }
 
  private:
   int thread_, threads_;
-  Barrier* barrier_;
+  Barrier *barrier_, *warp_barrier_;
   double* shared_;
   index_t index_[3] = {0, 0, 0};
+};
+
+/// The block's barrier and one per warp (the last warp may be partial).
+struct BlockBarriers {
+  explicit BlockBarriers(int threads) : block(threads) {
+    for (int first = 0; first < threads; first += kWarpSize)
+      warps.emplace_back(threads - first < kWarpSize ? threads - first : kWarpSize);
+  }
+  Barrier block;
+  std::deque<Barrier> warps;  // a deque: barriers do not move
 };
 
 /// Runs body(blk) for every thread of every block of grid, `threads` threads per block and
 /// `shared_bytes` of shared memory, as kernel<<<grid, threads, shared_bytes>>> would.
 template <class Body>
 void launch(Grid grid, int threads, std::size_t shared_bytes, Body body) {
-  std::vector<double> shared((shared_bytes + sizeof(double) - 1) / sizeof(double));
-  Barrier barrier(threads);
+  constexpr std::size_t kAlignment = 128;  // as DeviceBlock's shared memory
+  const std::size_t doubles = (shared_bytes + sizeof(double) - 1) / sizeof(double);
+  std::vector<double> memory(doubles + kAlignment / sizeof(double));
+  double* const shared =
+      memory.data() + (kAlignment - reinterpret_cast<std::uintptr_t>(memory.data()) % kAlignment) %
+                          kAlignment / sizeof(double);
+  BlockBarriers barriers(threads);
   std::exception_ptr failure;
   std::mutex failure_mutex;
   auto run = [&](int thread) {
-    HostBlock blk(thread, threads, barrier, shared.data());
+    HostBlock blk(thread, threads, barriers.block,
+                  barriers.warps[static_cast<std::size_t>(thread / kWarpSize)], shared);
     for (index_t z = 0; z < grid.z; ++z)
       for (index_t y = 0; y < grid.y; ++y)
         for (index_t x = 0; x < grid.x; ++x) {
           if (thread == 0) {  // NaN as a float and, in pairs, as a double
-            auto* words = reinterpret_cast<std::uint32_t*>(shared.data());
-            for (std::size_t i = 0; i < shared.size() * 2; ++i) words[i] = 0x7ff80000u;
+            auto* words = reinterpret_cast<std::uint32_t*>(shared);
+            for (std::size_t i = 0; i < doubles * 2; ++i) words[i] = 0x7ff80000u;
           }
           blk.at(x, y, z);
-          barrier.arrive_and_wait();
+          barriers.block.arrive_and_wait();
           try {
             body(blk);
           } catch (...) {
             std::lock_guard<std::mutex> lock(failure_mutex);
             if (!failure) failure = std::current_exception();
           }
-          barrier.arrive_and_wait();
+          barriers.block.arrive_and_wait();
         }
   };
   std::vector<std::thread> team;

@@ -19,6 +19,8 @@ struct TileGeometry {
   index_t keys = 1;  // keys per step
   index_t D = 1, Dv = 1;
   index_t rank = 0;  // the largest R of the low-rank terms that are on (0: none)
+  // Warps that stage products for the tensor cores (tensor_core_tile.hpp); 0: scalar products.
+  index_t tensor_warps = 0;
 
   DCMHA_HOST_DEVICE index_t positions() const { return rows * keys; }
   DCMHA_HOST_DEVICE index_t scores() const { return M * rows * keys; }
@@ -94,6 +96,10 @@ class SharedArena {
     A* p = base_ ? base_ + used_ : nullptr;
     used_ += n;
     return p;
+  }
+  /// Starts the next array at a multiple of `elements` from the base.
+  DCMHA_HOST_DEVICE void align(index_t elements) {
+    used_ = (used_ + elements - 1) / elements * elements;
   }
   DCMHA_HOST_DEVICE index_t bytes() const { return used_ * static_cast<index_t>(sizeof(A)); }
 
