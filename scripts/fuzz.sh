@@ -14,7 +14,8 @@
 # a deadly signal, a per-input timeout, running out of memory) as a crash; the exit status is 0
 # only when both are 0.
 #
-# Environment: BUILD_DIR, JOBS (default 2), FUZZ_TIMEOUT (seconds one input may take, default 60),
+# Environment: BUILD_DIR, JOBS (default 2), FUZZ_BUILD_ONLY (1: configure and build, then stop;
+# scripts/test.sh builds ahead this way while other steps run), FUZZ_TIMEOUT (seconds one input may take, default 60),
 # FUZZ_RSS_MB (default 4096), FUZZ_MAX_LEN (bytes per input, default 512), FUZZ_ENGINE (auto, or
 # plain for the plain driver even where libFuzzer exists).
 set -euo pipefail
@@ -75,6 +76,10 @@ fi
 step "build fuzz_dcmha (-j$JOBS)"
 cmake --build "$BUILD_DIR" --target fuzz_dcmha -j "$JOBS" >"$BUILD_DIR/fuzz-build.log" 2>&1 ||
   { tail -n 40 "$BUILD_DIR/fuzz-build.log"; die "building fuzz_dcmha failed (log: $BUILD_DIR/fuzz-build.log)"; }
+if [ "${FUZZ_BUILD_ONLY:-0}" = 1 ]; then
+  echo "fuzz: fuzz_dcmha built in $BUILD_DIR"
+  exit 0
+fi
 
 BIN="$ROOT/$BUILD_DIR/tests/fuzz/fuzz_dcmha"
 LOG="$ROOT/$BUILD_DIR/fuzz.log"

@@ -19,8 +19,10 @@ BUILD_DIR="${BUILD_DIR:-build}"
 JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
 
 # make: cmake's default generator needs it, and Debian's cmake only recommends it.
+# clang, libclang-rt-14-dev, libomp-14-dev: the fuzzer's (scripts/fuzz.sh), installed here so that
+# its build ahead never runs apt-get beside anything else.
 dcmha_require_packages cmake make g++ libeigen3-dev libgtest-dev libbenchmark-dev clang-format \
-  nlohmann-json3-dev
+  nlohmann-json3-dev clang libclang-rt-14-dev libomp-14-dev
 
 # Every C++ file as .clang-format writes it (clang-format -i FILE... fixes one).
 step "format (clang-format $(clang-format --version | grep -o '[0-9][0-9.]*' | head -n 1))"
@@ -52,6 +54,15 @@ cmake -S . -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release -DDCMHA_WERROR=ON \
 step "build (-j$JOBS)"
 cmake --build "$BUILD_DIR" -j "$JOBS"
 
+# The fuzzer's build (one translation unit, so one core) runs beside the Release suite, the
+# install and the consumers, which leave a core to spare; the fuzz step below waits for it.
+FUZZ_BUILD_LOG="$ROOT/$BUILD_DIR/fuzz-build-ahead.log"
+fuzz_build=""
+if [ "${FUZZ_SECONDS:-60}" -gt 0 ]; then
+  env -u BUILD_DIR FUZZ_BUILD_ONLY=1 JOBS=1 bash "$ROOT/scripts/fuzz.sh" >"$FUZZ_BUILD_LOG" 2>&1 &
+  fuzz_build=$!
+fi
+
 step "ctest"
 (cd "$BUILD_DIR" && ctest --output-on-failure) | tee "$BUILD_DIR/ctest.log"
 RECAP+=("release: $(grep -E 'tests passed|tests failed' "$BUILD_DIR/ctest.log" | tail -n 1)")
@@ -70,7 +81,7 @@ recap_of() {
 # The packaging proof: install into a throw-away prefix and build a separate project that only
 # knows that prefix, exactly as a user would.
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/dcmha-test.XXXXXX")"
-trap 'rm -rf "$WORK"' EXIT
+trap 'rm -rf "$WORK"; [ -z "$fuzz_build" ] || kill "$fuzz_build" 2>/dev/null || true' EXIT
 
 step "install into $WORK/prefix"
 cmake --install "$BUILD_DIR" --prefix "$WORK/prefix"
@@ -97,7 +108,9 @@ wait "$installed"
 for kind in ${SANITIZERS-asan}; do
   recap_of env -u BUILD_DIR bash "$ROOT/scripts/sanitize.sh" "$kind"
 done
-if [ "${FUZZ_SECONDS:-60}" -gt 0 ]; then
+if [ -n "$fuzz_build" ]; then
+  wait "$fuzz_build" || { cat "$FUZZ_BUILD_LOG"; die "building the fuzzer failed"; }
+  fuzz_build=""
   recap_of env -u BUILD_DIR bash "$ROOT/scripts/fuzz.sh" "${FUZZ_SECONDS:-60}"
 fi
 
