@@ -374,12 +374,12 @@ TEST(CudaKernelsEmulated, WarpProductIsTheMatrixProduct) {
       std::logic_error);
 }
 
-/// Whether the planned forward of c takes its products on tensor cores.
-bool plans_tensor_cores(const Case& c, const dcmha::reference::Problem& p) {
+/// The warps that stage for the tensor cores in the planned forward of p (bf16).
+index_t planned_tensor_warps(const dcmha::reference::Problem& p, const LaunchOptions& launch) {
   TypedProblem<dcmha::bf16> tp(p);
   const auto params = dcmha::detail::forward_params("plan", tp.config(), tp.q(), tp.k(), tp.v(),
                                                     tp.out(), tp.lse(), tp.compose());
-  return dcmha::cuda::forward_launch("plan", params, c.launch).blocks.geo.tensor_warps > 0;
+  return dcmha::cuda::forward_launch("plan", params, launch).blocks.geo.tensor_warps;
 }
 
 /// bf16 with the products on tensor cores. On the host their sums run in the scalar path's
@@ -391,7 +391,7 @@ void check_tensor_core_case(Case c, uint64_t seed) {
   const dcmha::reference::Problem clean = dcmha::test::bf16_problem(problem_of(c, seed));
   std::vector<double> clean_dout = dcmha::test::random_dout(clean, seed);
   dcmha::test::round_all(clean_dout);
-  ASSERT_TRUE(plans_tensor_cores(c, clean));
+  ASSERT_GT(planned_tensor_warps(clean, c.launch), 0);
   dcmha::reference::Problem p = clean;
   std::vector<double> dout = clean_dout;
   poison_padding(p, dout);
@@ -438,10 +438,7 @@ TEST(CudaKernelsEmulated, TensorCoreProducts) {
   wide.B = 1, wide.H = 2, wide.Hk = 1, wide.G = 2, wide.T = 3, wide.S = 40, wide.D = wide.Dv = 512;
   const Case partial = with_launch(wide);
   check_tensor_core_case(partial, seed++);
-  TypedProblem<dcmha::bf16> tp(dcmha::test::bf16_problem(problem_of(partial, 0)));
-  const auto params = dcmha::detail::forward_params("plan", tp.config(), tp.q(), tp.k(), tp.v(),
-                                                    tp.out(), tp.lse(), tp.compose());
-  EXPECT_EQ(dcmha::cuda::forward_launch("plan", params).blocks.geo.tensor_warps, 2);
+  EXPECT_EQ(planned_tensor_warps(problem_of(partial, 0), partial.launch), 2);
 }
 
 TEST(CudaKernelsEmulated, TensorCoreProductsWithLengthsAndSplits) {

@@ -89,6 +89,31 @@ DCMHA_HOST_DEVICE void stage_query_rows(const Block& blk, const TensorView<const
   }
 }
 
+/// Calls f(m, r0, w) for the (head m, rows [r0, r0 + 8)) items of this warp, with its staging w:
+/// item i is staging warp i mod warps's in every step; warps without staging take none.
+template <class Block, class F>
+DCMHA_HOST_DEVICE void for_each_warp_item(const Block& blk, const TileGeometry& geo,
+                                          const TensorCoreStaging& staging, F&& f) {
+  const int warp = warp_of(blk);
+  if (warp >= staging.warps) return;
+  const index_t chunks = (geo.rows + WarpTile::rows - 1) / WarpTile::rows;
+  const WarpStaging w = staging.of(warp);
+  for (index_t item = warp; item < geo.M * chunks; item += staging.warps)
+    f(item / chunks, item % chunks * WarpTile::rows, w);
+}
+
+/// Calls f(r, c, value) for this lane's results of w.product that fall on the tile's rows
+/// (r0 + i < geo.rows), then syncs the warp so that the product can be overwritten.
+template <class Block, class F>
+DCMHA_HOST_DEVICE void for_each_product_result(const Block& blk, const TileGeometry& geo,
+                                               index_t r0, const WarpStaging& w, F&& f) {
+  for (int e = lane_of(blk); e < WarpTile::rows * WarpTile::cols; e += kWarpSize) {
+    const index_t r = r0 + e / WarpTile::cols;
+    if (r < geo.rows) f(r, index_t(e % WarpTile::cols), w.product[e]);
+  }
+  blk.sync_warp();
+}
+
 /// The products of a score-shaped tile, rows[h][t] . panel[kv(h)][s] over `width` for each
 /// head, row and key, handed to store(m, r, c, product) for the tile's rows (r < geo.rows).
 template <class Block, class T, class Store>
@@ -97,11 +122,7 @@ DCMHA_HOST_DEVICE void row_panel_products(const Block& blk, const TileGeometry& 
                                           const TensorView<const T, 4>& rows,
                                           const TensorView<const T, 4>& panel, index_t width,
                                           const TensorCoreStaging& staging, Store&& store) {
-  const index_t chunks = (geo.rows + WarpTile::rows - 1) / WarpTile::rows;
-  if (warp_of(blk) >= staging.warps) return;
-  const WarpStaging w = staging.of(warp_of(blk));
-  for (index_t item = warp_of(blk); item < geo.M * chunks; item += staging.warps) {
-    const index_t m = item / chunks, r0 = item % chunks * WarpTile::rows;
+  for_each_warp_item(blk, geo, staging, [&](index_t m, index_t r0, const WarpStaging& w) {
     const index_t h = at.rows.g * geo.M + m;
     stage_query_rows(blk, rows, at, h, r0, width, w.rows);
     stage_key_rows(blk, panel, geo, at, h / heads_per_kv, width, w.panel);
@@ -109,12 +130,9 @@ DCMHA_HOST_DEVICE void row_panel_products(const Block& blk, const TileGeometry& 
     warp_product<Layout::column_major>(blk, w.rows, width, w.panel, width, width, w.product,
                                        WarpTile::cols);
     blk.sync_warp();
-    for (int e = lane_of(blk); e < WarpTile::rows * WarpTile::cols; e += kWarpSize) {
-      const index_t r = r0 + e / WarpTile::cols;
-      if (r < geo.rows) store(m, r, index_t(e % WarpTile::cols), w.product[e]);
-    }
-    blk.sync_warp();
-  }
+    for_each_product_result(blk, geo, r0, w,
+                            [&](index_t r, index_t c, float dot) { store(m, r, c, dot); });
+  });
 }
 
 }  // namespace tensor_core
@@ -154,32 +172,26 @@ template <class Block, class T, class A>
 DCMHA_HOST_DEVICE void accumulate_values_on_tensor_cores(
     const Block& blk, const detail::QkvParams<T>& p, const TileGeometry& geo, const TilePlace& at,
     const TensorCoreStaging& staging, const A* probabilities, A* out) {
-  const index_t chunks = (geo.rows + WarpTile::rows - 1) / WarpTile::rows;
   const index_t heads_per_kv = p.dims.H / p.dims.Hk;
-  if (warp_of(blk) >= staging.warps) return;
-  const WarpStaging w = staging.of(warp_of(blk));
-  for (index_t item = warp_of(blk); item < geo.M * chunks; item += staging.warps) {
-    const index_t m = item / chunks, r0 = item % chunks * WarpTile::rows;
-    const A* head = probabilities + m * geo.positions();
-    for (index_t e = lane_of(blk); e < WarpTile::rows * geo.keys; e += kWarpSize) {
-      const index_t r = r0 + e / geo.keys;
-      w.rows[e] = r < geo.rows ? bf16(float(head[r * geo.keys + e % geo.keys])) : bf16(0.0f);
-    }
-    const index_t kv = (at.rows.g * geo.M + m) / heads_per_kv;
-    tensor_core::stage_key_rows(blk, p.v, geo, at, kv, geo.Dv, w.panel);
-    blk.sync_warp();
-    for (index_t e0 = 0; e0 < geo.Dv; e0 += WarpTile::cols) {
-      warp_product<Layout::row_major>(blk, w.rows, geo.keys, w.panel + e0, geo.Dv, geo.keys,
-                                      w.product, WarpTile::cols);
-      blk.sync_warp();
-      for (int e = lane_of(blk); e < WarpTile::rows * WarpTile::cols; e += kWarpSize) {
-        const index_t r = r0 + e / WarpTile::cols;
-        if (r < geo.rows)
-          out[(m * geo.rows + r) * geo.Dv + e0 + e % WarpTile::cols] += w.product[e];
-      }
-      blk.sync_warp();
-    }
-  }
+  tensor_core::for_each_warp_item(
+      blk, geo, staging, [&](index_t m, index_t r0, const WarpStaging& w) {
+        const A* head = probabilities + m * geo.positions();
+        for (index_t e = lane_of(blk); e < WarpTile::rows * geo.keys; e += kWarpSize) {
+          const index_t r = r0 + e / geo.keys;
+          w.rows[e] = r < geo.rows ? bf16(float(head[r * geo.keys + e % geo.keys])) : bf16(0.0f);
+        }
+        const index_t kv = (at.rows.g * geo.M + m) / heads_per_kv;
+        tensor_core::stage_key_rows(blk, p.v, geo, at, kv, geo.Dv, w.panel);
+        blk.sync_warp();
+        for (index_t e0 = 0; e0 < geo.Dv; e0 += WarpTile::cols) {
+          warp_product<Layout::row_major>(blk, w.rows, geo.keys, w.panel + e0, geo.Dv, geo.keys,
+                                          w.product, WarpTile::cols);
+          blk.sync_warp();
+          tensor_core::for_each_product_result(blk, geo, r0, w, [&](index_t r, index_t c, float x) {
+            out[(m * geo.rows + r) * geo.Dv + e0 + c] += x;
+          });
+        }
+      });
 }
 
 }  // namespace dcmha::cuda
