@@ -63,8 +63,10 @@ if [ "${FUZZ_SECONDS:-60}" -gt 0 ]; then
   fuzz_build=$!
 fi
 
-step "ctest"
-(cd "$BUILD_DIR" && ctest --output-on-failure) | tee "$BUILD_DIR/ctest.log"
+# In parallel, as the sanitized suite: test_cuda_kernels waits on its host threads' barriers
+# more than it computes, and the other tests fill the core it leaves.
+step "ctest (-j$JOBS)"
+(cd "$BUILD_DIR" && ctest --output-on-failure -j "$JOBS") | tee "$BUILD_DIR/ctest.log"
 RECAP+=("release: $(grep -E 'tests passed|tests failed' "$BUILD_DIR/ctest.log" | tail -n 1)")
 skipped=$(grep -c '(Skipped)' "$BUILD_DIR/ctest.log" || true)
 [ "$skipped" -gt 0 ] && RECAP+=("gpu: $skipped tests skipped (no CUDA device here; scripts/gpu_check.sh runs them)")
