@@ -2,8 +2,9 @@
 // The test reference of the attention core (spec section 1), double precision.
 //
 // Written to be checked by eye against the spec, not to be fast: it materializes the scores L,
-// the composed scores L', the probabilities P and the composed probabilities P' in full, and its
-// backward is the chain rule applied to those same arrays step by step, in reverse. Every other
+// the composed scores L', the probabilities P and the composed probabilities P' in full (zero
+// where the mask hides the key, since nothing reads them there), and its backward is the chain
+// rule applied to those same arrays step by step, in reverse. Every other
 // test compares the production kernels against this file, and tests/test_reference.cpp checks
 // this file against finite differences and the official conformance cases.
 #include <algorithm>
@@ -170,8 +171,41 @@ inline void compose(const Problem& p, const ComposeSide& c, int64_t b, int64_t t
   }
 }
 
+/// Backward of one low-rank term of compose() (query-wise with L = T, key-wise with L = S) at
+/// position l: y[n] += sum_r proj[r] w2[r, n] with proj[r] = sum_m a[m] w1[r, m], so the
+/// gradient reaching proj[r] is sum_n w2[r, n] dy[n].
+inline void lowrank_backward(const Problem& p, const std::vector<double>& w1,
+                             const std::vector<double>& w2, int64_t L, int64_t R, int64_t b,
+                             int64_t l, int64_t g, const double* ag, const double* dyg,
+                             const std::vector<double>& proj, std::vector<double>& dw1,
+                             std::vector<double>& dw2, double* dag) {
+  for (int64_t r = 0; r < R; ++r) {
+    double dproj = 0;
+    for (int64_t n = 0; n < M_of(p); ++n) {
+      const int64_t i = at_lowrank(p, L, R, b, l, g, r, n);
+      dproj += w2[i] * dyg[n];
+      dw2[i] += proj[r] * dyg[n];
+    }
+    for (int64_t m = 0; m < M_of(p); ++m) {
+      const int64_t i = at_lowrank(p, L, R, b, l, g, r, m);
+      dag[m] += w1[i] * dproj;
+      dw1[i] += ag[m] * dproj;
+    }
+  }
+}
+
+/// Backward of a gate term at position l: y[n] += a[n] dd[n].
+inline void gate_backward(const Problem& p, const std::vector<double>& dd, int64_t L, int64_t b,
+                          int64_t l, int64_t g, const double* ag, const double* dyg,
+                          std::vector<double>& ddd, double* dag) {
+  for (int64_t n = 0; n < M_of(p); ++n) {
+    dag[n] += dd[at_gate(p, L, b, l, g, n)] * dyg[n];
+    ddd[at_gate(p, L, b, l, g, n)] += ag[n] * dyg[n];
+  }
+}
+
 /// Backward of compose() at one (b, t, s): d(a) for upstream dy into da, and the gradients of
-/// the side's weights accumulated into dc.
+/// the side's weights accumulated into dc. Term by term, as compose() adds them.
 inline void compose_backward(const Problem& p, const ComposeSide& c, int64_t b, int64_t t,
                              int64_t s, const std::vector<double>& a, const std::vector<double>& dy,
                              ComposeSide& dc, std::vector<double>& da, ComposeScratch& scratch) {
@@ -182,36 +216,21 @@ inline void compose_backward(const Problem& p, const ComposeSide& c, int64_t b, 
     const double* dyg = &dy[g * M];
     double* dag = &da[g * M];
     scratch.project(p, c, b, t, s, g, ag);
-    for (int64_t n = 0; n < M; ++n) {
-      if (c.static_w)
+    if (c.static_w)
+      for (int64_t n = 0; n < M; ++n)
         for (int64_t m = 0; m < M; ++m) {
           dag[m] += c.w[at_w(p, g, m, n)] * dyg[n];
           dc.w[at_w(p, g, m, n)] += ag[m] * dyg[n];
         }
-      if (c.query_wise) {
-        for (int64_t r = 0; r < c.Rq; ++r) {
-          const double w2 = c.qw2[at_lowrank(p, p.T, c.Rq, b, t, g, r, n)];
-          dc.qw2[at_lowrank(p, p.T, c.Rq, b, t, g, r, n)] += scratch.query_proj[r] * dyg[n];
-          for (int64_t m = 0; m < M; ++m) {
-            dag[m] += c.qw1[at_lowrank(p, p.T, c.Rq, b, t, g, r, m)] * w2 * dyg[n];
-            dc.qw1[at_lowrank(p, p.T, c.Rq, b, t, g, r, m)] += ag[m] * w2 * dyg[n];
-          }
-        }
-        dag[n] += c.qdd[at_gate(p, p.T, b, t, g, n)] * dyg[n];
-        dc.qdd[at_gate(p, p.T, b, t, g, n)] += ag[n] * dyg[n];
-      }
-      if (c.key_wise) {
-        for (int64_t r = 0; r < c.Rk; ++r) {
-          const double w2 = c.kw2[at_lowrank(p, p.S, c.Rk, b, s, g, r, n)];
-          dc.kw2[at_lowrank(p, p.S, c.Rk, b, s, g, r, n)] += scratch.key_proj[r] * dyg[n];
-          for (int64_t m = 0; m < M; ++m) {
-            dag[m] += c.kw1[at_lowrank(p, p.S, c.Rk, b, s, g, r, m)] * w2 * dyg[n];
-            dc.kw1[at_lowrank(p, p.S, c.Rk, b, s, g, r, m)] += ag[m] * w2 * dyg[n];
-          }
-        }
-        dag[n] += c.kdd[at_gate(p, p.S, b, s, g, n)] * dyg[n];
-        dc.kdd[at_gate(p, p.S, b, s, g, n)] += ag[n] * dyg[n];
-      }
+    if (c.query_wise) {
+      lowrank_backward(p, c.qw1, c.qw2, p.T, c.Rq, b, t, g, ag, dyg, scratch.query_proj, dc.qw1,
+                       dc.qw2, dag);
+      gate_backward(p, c.qdd, p.T, b, t, g, ag, dyg, dc.qdd, dag);
+    }
+    if (c.key_wise) {
+      lowrank_backward(p, c.kw1, c.kw2, p.S, c.Rk, b, s, g, ag, dyg, scratch.key_proj, dc.kw1,
+                       dc.kw2, dag);
+      gate_backward(p, c.kdd, p.S, b, s, g, ag, dyg, dc.kdd, dag);
     }
   }
 }
@@ -254,15 +273,19 @@ inline void heads_at(const Problem& p, const std::vector<double>& x, int64_t b, 
   for (int64_t h = 0; h < p.H; ++h) a[h] = x[at_bhts(p, b, h, t, s)];
 }
 
-/// x' = Compose(x) at every (b, t, s) (a copy where the side is off).
+/// x' = Compose(x) at every visible (b, t, s), zero at the others (a copy where the side is off).
+/// Masked positions are left out because nothing reads them: softmax skips them in L', and
+/// Compose is linear in its input, so the post side maps their P = 0 to P' = 0 exactly and takes
+/// no gradient from them. Leaving them out halves the reference's time on causal problems.
 inline std::vector<double> compose_all(const Problem& p, const ComposeSide& c,
                                        const std::vector<double>& x) {
   if (!c.enabled()) return x;
-  std::vector<double> out(x.size()), a, y;
+  std::vector<double> out(x.size(), 0.0), a, y;
   ComposeScratch scratch;
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t t = 0; t < p.T; ++t)
       for (int64_t s = 0; s < p.S; ++s) {
+        if (!visible(p, b, t, s)) continue;
         heads_at(p, x, b, t, s, a);
         compose(p, c, b, t, s, a, y, scratch);
         for (int64_t h = 0; h < p.H; ++h) out[at_bhts(p, b, h, t, s)] = y[h];
@@ -270,17 +293,18 @@ inline std::vector<double> compose_all(const Problem& p, const ComposeSide& c,
   return out;
 }
 
-/// dx = d(x)/d(Compose(x)) applied to dy at every (b, t, s); dc accumulates the side's weight
-/// gradients (dy itself where the side is off).
+/// dx = d(x)/d(Compose(x)) applied to dy at every visible (b, t, s), zero at the others (see
+/// compose_all); dc accumulates the side's weight gradients (dy itself where the side is off).
 inline std::vector<double> compose_all_backward(const Problem& p, const ComposeSide& c,
                                                 const std::vector<double>& x,
                                                 const std::vector<double>& dy, ComposeSide& dc) {
   if (!c.enabled()) return dy;
-  std::vector<double> dx(dy.size()), a, g, da;
+  std::vector<double> dx(dy.size(), 0.0), a, g, da;
   ComposeScratch scratch;
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t t = 0; t < p.T; ++t)
       for (int64_t s = 0; s < p.S; ++s) {
+        if (!visible(p, b, t, s)) continue;
         heads_at(p, x, b, t, s, a);
         heads_at(p, dy, b, t, s, g);
         compose_backward(p, c, b, t, s, a, g, dc, da, scratch);
@@ -302,6 +326,7 @@ inline Intermediates forward_intermediates(const Problem& p) {
     for (int64_t h = 0; h < p.H; ++h)
       for (int64_t t = 0; t < p.T; ++t)
         for (int64_t s = 0; s < p.S; ++s) {
+          if (!visible(p, b, t, s)) continue;  // unread: see compose_all
           double dot = 0;
           for (int64_t d = 0; d < p.D; ++d)
             dot += p.q[at_bhtx(p.H, p.T, p.D, b, h, t, d)] *
@@ -340,11 +365,13 @@ inline std::vector<double> output(const Problem& p, const Intermediates& it) {
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t h = 0; h < p.H; ++h)
       for (int64_t t = 0; t < p.T; ++t)
-        for (int64_t s = 0; s < p.S; ++s)
+        for (int64_t s = 0; s < p.S; ++s) {
+          if (!detail::visible(p, b, t, s)) continue;  // P' = 0 there
           for (int64_t e = 0; e < p.Dv; ++e)
             out[detail::at_bhtx(p.H, p.T, p.Dv, b, h, t, e)] +=
                 it.Pc[detail::at_bhts(p, b, h, t, s)] *
                 p.v[detail::at_bhtx(p.Hk, p.S, p.Dv, b, detail::kv_head(p, h), s, e)];
+        }
   return out;
 }
 
@@ -367,13 +394,15 @@ inline Gradients gradients(const Problem& p, const Intermediates& it,
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t h = 0; h < p.H; ++h)
       for (int64_t t = 0; t < p.T; ++t)
-        for (int64_t s = 0; s < p.S; ++s)
+        for (int64_t s = 0; s < p.S; ++s) {
+          if (!visible(p, b, t, s)) continue;  // P' = 0 there, and its dP' is unread
           for (int64_t e = 0; e < p.Dv; ++e) {
             const double go = dout[at_bhtx(p.H, p.T, p.Dv, b, h, t, e)];
             const int64_t iv = at_bhtx(p.Hk, p.S, p.Dv, b, kv_head(p, h), s, e);
             dPc[at_bhts(p, b, h, t, s)] += go * p.v[iv];
             g.dv[iv] += go * it.Pc[at_bhts(p, b, h, t, s)];
           }
+        }
 
   // 5. P' = Compose_post(P)
   const std::vector<double> dP = compose_all_backward(p, p.post, it.P, dPc, g.dpost);
@@ -399,7 +428,8 @@ inline Gradients gradients(const Problem& p, const Intermediates& it,
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t h = 0; h < p.H; ++h)
       for (int64_t t = 0; t < p.T; ++t)
-        for (int64_t s = 0; s < p.S; ++s)
+        for (int64_t s = 0; s < p.S; ++s) {
+          if (!visible(p, b, t, s)) continue;  // dL = 0 there
           for (int64_t d = 0; d < p.D; ++d) {
             const double gl = scale * dL[at_bhts(p, b, h, t, s)];
             const int64_t iq = at_bhtx(p.H, p.T, p.D, b, h, t, d);
@@ -407,6 +437,7 @@ inline Gradients gradients(const Problem& p, const Intermediates& it,
             g.dq[iq] += gl * p.k[ik];
             g.dk[ik] += gl * p.q[iq];
           }
+        }
   return g;
 }
 
