@@ -8,24 +8,61 @@
 // the result instead of passing by luck.
 //
 // For tests and for CI without a GPU: one launch at a time, blocks in grid order.
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
-#include <deque>
 #include <cstdint>
+#include <deque>
 #include <exception>
 #include <limits>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "simt.hpp"
 
 namespace dcmha::cuda::host {
 
-/// A reusable barrier for a fixed number of threads (std::barrier is C++20).
+/// A reusable barrier for a fixed number of threads (std::barrier is C++20). A block's host
+/// threads far outnumber the cores, so waiting threads sleep rather than spin. On Linux they
+/// sleep on the generation counter itself (a futex): the last arrival wakes them all with one
+/// call, and none then queues for a lock as behind a condition variable (kept for other systems).
 class Barrier {
  public:
   explicit Barrier(int count) : count_(count) {}
+#ifdef __linux__
+  void arrive_and_wait() {
+    // The acq_rel increments chain every arrival's writes to the last arrival, whose release of
+    // the next generation passes them on to every waiter's acquire.
+    const std::uint32_t generation = generation_.load(std::memory_order_acquire);
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == count_) {
+      arrived_.store(0, std::memory_order_relaxed);
+      generation_.fetch_add(1, std::memory_order_release);
+      futex(FUTEX_WAKE_PRIVATE, std::numeric_limits<int>::max());
+      return;
+    }
+    while (generation_.load(std::memory_order_acquire) == generation)
+      futex(FUTEX_WAIT_PRIVATE, generation);  // returns at once if the generation moved on
+  }
+
+ private:
+  void futex(int operation, std::uint32_t value) {
+    syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&generation_), operation, value, nullptr,
+            nullptr, 0);
+  }
+  static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t) &&
+                    std::atomic<std::uint32_t>::is_always_lock_free,
+                "a futex word is a plain 32-bit integer");
+  std::atomic<std::uint32_t> generation_{0};
+  std::atomic<int> arrived_{0};
+  const int count_;
+#else
   void arrive_and_wait() {
     std::unique_lock<std::mutex> lock(mutex_);
     const std::uint64_t generation = generation_;
@@ -41,8 +78,10 @@ class Barrier {
  private:
   std::mutex mutex_;
   std::condition_variable released_;
-  int count_, arrived_ = 0;
+  const int count_;
+  int arrived_ = 0;
   std::uint64_t generation_ = 0;
+#endif
 };
 
 struct Grid {
