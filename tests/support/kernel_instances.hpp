@@ -7,7 +7,10 @@
 // test is the same.
 #include <dcmha/dcmha.hpp>
 
+// cpu::forward is the decode's kernel too: declared here, decode_projection.cpp does not
+// compile it a second time.
 #define DCMHA_TEST_ATTENTION_INSTANCES(PREFIX, T)                                                  \
+  PREFIX void dcmha::cpu::forward<T>(const dcmha::detail::ForwardParams<T>&, dcmha::Workspace&);   \
   PREFIX void dcmha::detail::forward_impl<T>(                                                      \
       const dcmha::AttentionConfig&, dcmha::TensorView<const T, 4>, dcmha::TensorView<const T, 4>, \
       dcmha::TensorView<const T, 4>, dcmha::TensorView<T, 4>,                                      \
