@@ -24,6 +24,8 @@ B, H, D, R = 4, 32, 128, 2
 LENGTHS = (2048, 4096, 8192)
 DECODE_B, DECODE_S = 8, 4096
 DTYPE = torch.bfloat16
+# torch.OutOfMemoryError is new (PyTorch 2.4/2.5); older versions have only the torch.cuda one.
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 def timed(fn, iterations=5, warmup=2):
@@ -47,7 +49,7 @@ def timed(fn, iterations=5, warmup=2):
             times.append(start.elapsed_time(stop))
         times.sort()
         return times[len(times) // 2], (torch.cuda.max_memory_allocated() - before) / 2**20
-    except torch.OutOfMemoryError:
+    except OUT_OF_MEMORY:
         out_of_memory = True
     if out_of_memory:  # outside the handler, so that the traceback's tensors are gone
         torch.cuda.empty_cache()
