@@ -171,36 +171,47 @@ inline void compose(const Problem& p, const ComposeSide& c, int64_t b, int64_t t
   }
 }
 
-/// Backward of one low-rank term of compose() (query-wise with L = T, key-wise with L = S) at
-/// position l: y[n] += sum_r proj[r] w2[r, n] with proj[r] = sum_m a[m] w1[r, m], so the
-/// gradient reaching proj[r] is sum_n w2[r, n] dy[n].
-inline void lowrank_backward(const Problem& p, const std::vector<double>& w1,
-                             const std::vector<double>& w2, int64_t L, int64_t R, int64_t b,
-                             int64_t l, int64_t g, const double* ag, const double* dyg,
-                             const std::vector<double>& proj, std::vector<double>& dw1,
-                             std::vector<double>& dw2, double* dag) {
-  for (int64_t r = 0; r < R; ++r) {
-    double dproj = 0;
-    for (int64_t n = 0; n < M_of(p); ++n) {
-      const int64_t i = at_lowrank(p, L, R, b, l, g, r, n);
-      dproj += w2[i] * dyg[n];
-      dw2[i] += proj[r] * dyg[n];
-    }
-    for (int64_t m = 0; m < M_of(p); ++m) {
-      const int64_t i = at_lowrank(p, L, R, b, l, g, r, m);
-      dag[m] += w1[i] * dproj;
-      dw1[i] += ag[m] * dproj;
-    }
-  }
+/// One dynamic term of a side, query-wise (at position t) or key-wise (at s), at one position
+/// and group: its low-rank weights as [R][M] blocks, its gate as an [M] block, and the same
+/// blocks of their gradients.
+struct DynamicTermAt {
+  int64_t R;
+  const double *w1, *w2, *dd;
+  double *dw1, *dw2, *ddd;
+};
+
+inline DynamicTermAt dynamic_term_at(const Problem& p, const ComposeSide& c, ComposeSide& dc,
+                                     bool query_wise, int64_t b, int64_t l, int64_t g) {
+  const int64_t L = query_wise ? p.T : p.S, R = query_wise ? c.Rq : c.Rk;
+  const int64_t lowrank = at_lowrank(p, L, R, b, l, g, 0, 0), gate = at_gate(p, L, b, l, g, 0);
+  const std::vector<double>& w1 = query_wise ? c.qw1 : c.kw1;
+  const std::vector<double>& w2 = query_wise ? c.qw2 : c.kw2;
+  const std::vector<double>& dd = query_wise ? c.qdd : c.kdd;
+  std::vector<double>& dw1 = query_wise ? dc.qw1 : dc.kw1;
+  std::vector<double>& dw2 = query_wise ? dc.qw2 : dc.kw2;
+  std::vector<double>& ddd = query_wise ? dc.qdd : dc.kdd;
+  return {R, &w1[lowrank], &w2[lowrank], &dd[gate], &dw1[lowrank], &dw2[lowrank], &ddd[gate]};
 }
 
-/// Backward of a gate term at position l: y[n] += a[n] dd[n].
-inline void gate_backward(const Problem& p, const std::vector<double>& dd, int64_t L, int64_t b,
-                          int64_t l, int64_t g, const double* ag, const double* dyg,
-                          std::vector<double>& ddd, double* dag) {
-  for (int64_t n = 0; n < M_of(p); ++n) {
-    dag[n] += dd[at_gate(p, L, b, l, g, n)] * dyg[n];
-    ddd[at_gate(p, L, b, l, g, n)] += ag[n] * dyg[n];
+/// Backward of a dynamic term: y[n] += sum_r proj[r] w2[r][n] + a[n] dd[n] with
+/// proj[r] = sum_m a[m] w1[r][m], so the gradient reaching proj[r] is sum_n w2[r][n] dy[n].
+inline void dynamic_term_backward(int64_t M, const DynamicTermAt& term,
+                                  const std::vector<double>& proj, const double* ag,
+                                  const double* dyg, double* dag) {
+  for (int64_t r = 0; r < term.R; ++r) {
+    double dproj = 0;
+    for (int64_t n = 0; n < M; ++n) {
+      dproj += term.w2[r * M + n] * dyg[n];
+      term.dw2[r * M + n] += proj[r] * dyg[n];
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      dag[m] += term.w1[r * M + m] * dproj;
+      term.dw1[r * M + m] += ag[m] * dproj;
+    }
+  }
+  for (int64_t n = 0; n < M; ++n) {
+    dag[n] += term.dd[n] * dyg[n];
+    term.ddd[n] += ag[n] * dyg[n];
   }
 }
 
@@ -222,16 +233,12 @@ inline void compose_backward(const Problem& p, const ComposeSide& c, int64_t b, 
           dag[m] += c.w[at_w(p, g, m, n)] * dyg[n];
           dc.w[at_w(p, g, m, n)] += ag[m] * dyg[n];
         }
-    if (c.query_wise) {
-      lowrank_backward(p, c.qw1, c.qw2, p.T, c.Rq, b, t, g, ag, dyg, scratch.query_proj, dc.qw1,
-                       dc.qw2, dag);
-      gate_backward(p, c.qdd, p.T, b, t, g, ag, dyg, dc.qdd, dag);
-    }
-    if (c.key_wise) {
-      lowrank_backward(p, c.kw1, c.kw2, p.S, c.Rk, b, s, g, ag, dyg, scratch.key_proj, dc.kw1,
-                       dc.kw2, dag);
-      gate_backward(p, c.kdd, p.S, b, s, g, ag, dyg, dc.kdd, dag);
-    }
+    if (c.query_wise)
+      dynamic_term_backward(M, dynamic_term_at(p, c, dc, true, b, t, g), scratch.query_proj, ag,
+                            dyg, dag);
+    if (c.key_wise)
+      dynamic_term_backward(M, dynamic_term_at(p, c, dc, false, b, s, g), scratch.key_proj, ag, dyg,
+                            dag);
   }
 }
 
