@@ -15,9 +15,9 @@
 # only when both are 0.
 #
 # Environment: BUILD_DIR, JOBS (default 2), FUZZ_BUILD_ONLY (1: configure and build, then stop;
-# scripts/test.sh builds ahead this way while other steps run), FUZZ_TIMEOUT (seconds one input may take, default 60),
-# FUZZ_RSS_MB (default 4096), FUZZ_MAX_LEN (bytes per input, default 512), FUZZ_ENGINE (auto, or
-# plain for the plain driver even where libFuzzer exists).
+# scripts/test.sh builds ahead this way while other steps run), FUZZ_TIMEOUT (seconds one input
+# may take, default 60), FUZZ_RSS_MB (default 4096), FUZZ_MAX_LEN (bytes per input, default 512),
+# FUZZ_ENGINE (auto, or plain for the plain driver even where libFuzzer exists).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -36,6 +36,7 @@ case "$KIND" in
   *) die "usage: bash scripts/sanitize.sh {asan|tsan}" ;;
 esac
 BUILD_DIR="${BUILD_DIR:-build-$KIND}"
+VECTOR_BYTES="${VECTOR_BYTES-64}"
 
 # Optimized (-O1) so that the suite finishes; -g1 (line tables) for the reports' stack traces.
 # The library's tests and the conformance runner; the benchmark's and the example's smoke tests
@@ -48,7 +49,7 @@ cmake -S . -B "$BUILD_DIR" "${compiler[@]}" -DDCMHA_SANITIZE="$sanitize" \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1" \
   -DDCMHA_BUILD_TESTS=ON -DDCMHA_BUILD_BENCHMARKS=OFF -DDCMHA_BUILD_EXAMPLES=OFF \
   -DDCMHA_BUILD_FUZZER="$fuzzer" -DDCMHA_CUDA=OFF -DDCMHA_TEST_VECTOR_COPIES=OFF \
-  -DDCMHA_TEST_VECTOR_BYTES="${VECTOR_BYTES-64}" >/dev/null
+  -DDCMHA_TEST_VECTOR_BYTES="$VECTOR_BYTES" >/dev/null
 
 step "build (-j$JOBS)"
 cmake --build "$BUILD_DIR" -j "$JOBS"
@@ -60,7 +61,7 @@ status=0
 (cd "$BUILD_DIR" && ctest --output-on-failure -j "$JOBS") | tee "$BUILD_DIR/ctest.log" || status=$?
 summary=$(grep -E 'tests passed|tests failed' "$BUILD_DIR/ctest.log" | tail -n 1)
 # The last line is the summary scripts/test.sh recaps.
-vectors="${VECTOR_BYTES-64}-byte vectors"
-[ -n "${VECTOR_BYTES-64}" ] || vectors="the compiler's vectors"
+vectors="${VECTOR_BYTES}-byte vectors"
+[ -n "$VECTOR_BYTES" ] || vectors="the compiler's vectors"
 echo "$KIND: ${summary:-ctest did not finish} ($(($(date +%s) - start)) s, kernels with $vectors)"
 exit "$status"

@@ -5,7 +5,7 @@
 #   bash scripts/test.sh
 #
 # Environment: BUILD_DIR (default build), JOBS (default: all cores), SANITIZERS (default "asan";
-# "asan tsan" adds ThreadSanitizer, about 15 minutes more on 2 cores; "" skips them),
+# "asan tsan" adds ThreadSanitizer, about 5 minutes more on 2 cores; "" skips them),
 # FUZZ_SECONDS (default 60; 0 skips the fuzzer).
 # Exits non-zero on the first failure.
 set -euo pipefail
@@ -110,8 +110,8 @@ build_consumer "$WORK/consumer-subdir"
 wait "$installed"
 
 # The safety net: the whole suite under AddressSanitizer + UBSan (scripts/sanitize.sh; the
-# ThreadSanitizer run takes longer than CI allows and runs by hand), then the fuzzer against the
-# reference for a fixed budget (scripts/fuzz.sh).
+# ThreadSanitizer run, which CI's time leaves no room for, runs by hand), then the fuzzer against
+# the reference for a fixed budget (scripts/fuzz.sh).
 # Each in its own default build directory: BUILD_DIR names this script's Release tree only.
 for kind in ${SANITIZERS-asan}; do
   recap_of env -u BUILD_DIR bash "$ROOT/scripts/sanitize.sh" "$kind"
