@@ -169,7 +169,7 @@ TYPED_TEST(AttentionVsReference, QueryBlockEdges) {
     d.Hk = d.G = 1;
     d.T = d.S = T;
     d.D = d.Dv = 4;
-    const dcmha::cpu::RowMask mask(dcmha::detail::MaskParams{true, 0, {}, {}}, T, T);
+    const dcmha::detail::RowMask mask(dcmha::detail::MaskParams{true, 0, {}, {}}, T, T);
     ASSERT_EQ(dcmha::cpu::forward_block_rows<float>(d, mask, threads), 128)
         << "this case is meant to run 128-row blocks";
     check_against_reference<TypeParam>(s, T, threads);

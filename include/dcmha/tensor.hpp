@@ -15,6 +15,20 @@
 #else
 #define DCMHA_HOST_DEVICE
 #endif
+// What a CUDA kernel body calls, inlined into its __global__ wrapper: a call would need the kernel
+// object's members in a stack frame and everything live across it saved.
+#if defined(__CUDACC__)
+#define DCMHA_INLINE __host__ __device__ __forceinline__
+#else
+#define DCMHA_INLINE inline
+#endif
+// Unrolls the loop it precedes in device code: loops over a thread's register arrays (fragments,
+// compose items) must be unrolled, or the arrays go to local memory.
+#if defined(__CUDA_ARCH__)
+#define DCMHA_UNROLL _Pragma("unroll")
+#else
+#define DCMHA_UNROLL
+#endif
 
 namespace dcmha {
 

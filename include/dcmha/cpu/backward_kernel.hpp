@@ -23,6 +23,7 @@
 #include <atomic>
 #include <vector>
 
+#include "../common/mask.hpp"
 #include "../compose_weights.hpp"
 #include "../detail/dims.hpp"
 #include "../params.hpp"
@@ -33,7 +34,6 @@
 #include "convert.hpp"
 #include "gemm.hpp"
 #include "launch_plan.hpp"
-#include "mask.hpp"
 #include "parallel.hpp"
 #include "softmax.hpp"
 #include "tile.hpp"
@@ -136,7 +136,7 @@ struct BackwardWorkspace : SlabLayout {
   /// ForwardWorkspace::memory_size).
   /// `items`: the call's (batch, group) items (see backward()).
   template <class T>
-  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask,
+  static index_t memory_size(const detail::AttentionDims& d, const detail::RowMask& mask,
                              const ComposeWeights<T>& cw, index_t items) {
     BackwardWorkspace w;
     w.layout(d, mask, items);
@@ -146,8 +146,8 @@ struct BackwardWorkspace : SlabLayout {
 
   /// `memory`: memory_size() values, written before they are read.
   template <class T>
-  void init(const detail::AttentionDims& d, const RowMask& mask, const ComposeWeights<T>& cw,
-            int team_size, index_t items, A* memory) {
+  void init(const detail::AttentionDims& d, const detail::RowMask& mask,
+            const ComposeWeights<T>& cw, int team_size, index_t items, A* memory) {
     const index_t M = d.M;
     layout(d, mask, items);
     pre.init(cw.pre, M, padded_stride<A>(d.S));  // key-wise terms of every key
@@ -185,7 +185,7 @@ struct BackwardWorkspace : SlabLayout {
   }
 
  private:
-  void layout(const detail::AttentionDims& d, const RowMask& mask, index_t items) {
+  void layout(const detail::AttentionDims& d, const detail::RowMask& mask, index_t items) {
     Bq = backward_block_rows<A>(d, mask, items);
     // Keys per tile: the tile's slabs of the three panels (3 x M x Bq x tile values, at least 32
     // keys: 1.5 MiB at H32 with 128-row blocks) are produced and consumed while they are in L2
@@ -260,8 +260,8 @@ struct LiveRows {
 template <class T, class A>
 class BackwardKernel {
  public:
-  BackwardKernel(const detail::BackwardParams<T>& params, const RowMask& mask, const Team& team,
-                 BackwardWorkspace<A>& ws, BackwardThreadBuffers<A>& buffers,
+  BackwardKernel(const detail::BackwardParams<T>& params, const detail::RowMask& mask,
+                 const Team& team, BackwardWorkspace<A>& ws, BackwardThreadBuffers<A>& buffers,
                  const KeyValueGrads<A>& grads)
       : p_(params),
         mask_(mask),
@@ -323,7 +323,7 @@ class BackwardKernel {
 
   index_t tiles_of(index_t t0) const {
     if (t0 >= p_.dims.T) return 0;
-    const KeyRange keys = mask_.rows(b_, t0, std::min(p_.dims.T, t0 + ws_.Bq));
+    const detail::KeyRange keys = mask_.rows(b_, t0, std::min(p_.dims.T, t0 + ws_.Bq));
     return (std::max<index_t>(keys.end - keys.begin, 0) + ws_.tile - 1) / ws_.tile;
   }
   LiveRows live_rows_of(index_t t0) const {
@@ -348,7 +348,7 @@ class BackwardKernel {
     block.index = index;
     block.t0 = t0;
     block.rows = std::min(p_.dims.T, t0 + ws_.Bq) - t0;
-    const KeyRange keys = mask_.rows(b_, t0, t0 + block.rows);
+    const detail::KeyRange keys = mask_.rows(b_, t0, t0 + block.rows);
     const LiveRows live = live_rows_of(t0);
     block.lo = live.lo;
     block.live_rows = live.n;
@@ -456,7 +456,7 @@ class BackwardKernel {
   /// P = exp(L' - lse) over each row's visible keys, 0 elsewhere.
   void probabilities(const BackwardBlock& block, const BackwardTile<A>& tile) {
     for (index_t i = 0; i < block.rows; ++i) {
-      const KeyRange r = mask_.row(b_, block.t0 + i);
+      const detail::KeyRange r = mask_.row(b_, block.t0 + i);
       const index_t vb = std::max(r.begin, tile.begin), ve = std::min(r.end, tile.end);
       for (index_t m = 0; m < M_; ++m) {
         A* row = head_row(tile.probs_slab, i, m) - tile.begin;  // row[s] holds key s
@@ -689,7 +689,7 @@ class BackwardKernel {
   }
 
   const detail::BackwardParams<T>& p_;
-  const RowMask& mask_;
+  const detail::RowMask& mask_;
   const Team& team_;
   BackwardWorkspace<A>& ws_;
   BackwardThreadBuffers<A>& buf_;

@@ -10,9 +10,10 @@
 #include <type_traits>
 #include <vector>
 
+#include "../common/compose_terms.hpp"
 #include "../compose_weights.hpp"
+#include "../params.hpp"
 #include "../tensor.hpp"
-#include "mask.hpp"
 #include "tile.hpp"
 
 namespace dcmha::cpu {
@@ -68,13 +69,14 @@ struct KernelComposeTerms {
   /// layout may be read in place.
   template <class T>
   void init(const ComposeTerms<T>& c, index_t M_, index_t S, bool in_place_ok = false) {
-    on = c.enabled();
-    has_w = c.static_w;
-    has_q = c.query_wise;
-    has_k = c.key_wise;
+    const detail::ComposeTermSet terms = detail::ComposeTermSet::of(c);
+    on = terms.enabled();
+    has_w = terms.static_w;
+    has_q = terms.query_wise;
+    has_k = terms.key_wise;
     M = M_;
-    Rq = has_q ? c.qw1.shape[3] : 0;
-    Rk = has_k ? c.kw1.shape[3] : 0;
+    Rq = terms.query_rank;
+    Rk = terms.key_rank;
     ld = S;
     if (has_w) w.assign(M * M, A(0));
     borrowed = false;
@@ -96,7 +98,7 @@ struct KernelComposeTerms {
   /// (with fewer keys than threads, several shares are empty and start there too).
   template <class T>
   void load(const ComposeTerms<T>& c, index_t b, index_t g, index_t s0, index_t s1,
-            const KeyRing& ring = {}) {
+            const detail::KeyRing& ring = {}) {
     const bool first = s0 == 0 && s1 > s0;
     if (has_w && first)
       for (index_t m = 0; m < M; ++m)

@@ -22,6 +22,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../common/mask.hpp"
+#include "../common/softmax_state.hpp"
 #include "../compose_weights.hpp"
 #include "../detail/dims.hpp"
 #include "../params.hpp"
@@ -31,7 +33,6 @@
 #include "convert.hpp"
 #include "gemm.hpp"
 #include "launch_plan.hpp"
-#include "mask.hpp"
 #include "parallel.hpp"
 #include "softmax.hpp"
 #include "tile.hpp"
@@ -47,27 +48,26 @@ struct ForwardWorkspace : SlabLayout {
   // Outputs accumulate here, contiguous, and are written to the caller's tensor once per block
   // (summed over a key-split team, rounded once for narrow storage): the caller's rows are a page
   // apart in the (B, T, H, D) layout, too far apart to update tile after tile.
-  A* o_part = nullptr;         // [rank][m][row][Dv]
-  Buffer<A> row_max, row_sum;  // [rank][m][row]
+  A* o_part = nullptr;                        // [rank][m][row][Dv]
+  Buffer<detail::SoftmaxState<A>> row_state;  // [rank][m][row]
 
   /// Values of Workspace memory one team of team_size threads needs: whole cache lines, so that
   /// panels carved one after another from a block keep its alignment, which the order of the
   /// reductions over them depends on (Buffer, tile.hpp). `rows`: forward_block_rows().
-  static index_t memory_size(const detail::AttentionDims& d, const RowMask& mask, int team_size,
-                             index_t rows) {
+  static index_t memory_size(const detail::AttentionDims& d, const detail::RowMask& mask,
+                             int team_size, index_t rows) {
     ForwardWorkspace w;
     w.layout(d, mask, team_size, rows);
     return round_up(w.panel_size(team_size) + w.o_part_size(d, team_size), 64 / index_t(sizeof(A)));
   }
 
   /// `memory`: memory_size() values, written before they are read.
-  void init(const detail::AttentionDims& d, const RowMask& mask, int team_size, index_t rows,
-            A* memory) {
+  void init(const detail::AttentionDims& d, const detail::RowMask& mask, int team_size,
+            index_t rows, A* memory) {
     layout(d, mask, team_size, rows);
     panel = memory;
     o_part = memory + panel_size(team_size);
-    row_max.assign(team_size * d.M * Bq, A(0));
-    row_sum.assign(team_size * d.M * Bq, A(0));
+    row_state.assign(team_size * d.M * Bq, {});
   }
   A* slab_of(int rank, index_t t) { return panel + slab_offset(rank, t); }
 
@@ -77,7 +77,8 @@ struct ForwardWorkspace : SlabLayout {
   /// at M = 32). At H32/D128 and 128-row blocks: 128-key tiles, so the P'V products update each
   /// head's output rows four times less often than with 32 and Compose and the softmax run on
   /// longer rows.
-  void layout(const detail::AttentionDims& d, const RowMask& mask, int team_size, index_t rows) {
+  void layout(const detail::AttentionDims& d, const detail::RowMask& mask, int team_size,
+              index_t rows) {
     Bq = rows;
     init_slabs<A>(d.M, Bq, 1, kForwardSlabBytes, mask.max_block_keys(Bq), team_size);
   }
@@ -92,7 +93,8 @@ struct ComposeSides {
   KernelComposeTerms<A> pre, post;
 
   template <class T>
-  void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw, const KeyRing& ring) {
+  void init(const detail::AttentionDims& d, const ComposeWeights<T>& cw,
+            const detail::KeyRing& ring) {
     // Through a ring buffer, kernel key s is not the caller's slot s: copy then.
     const bool in_place_ok = ring.capacity == 0;
     pre.init(cw.pre, d.M, padded_stride<A>(d.S), in_place_ok);
@@ -101,7 +103,7 @@ struct ComposeSides {
   /// The team loads group g of batch b, a share of the keys each.
   template <class T>
   void load(const Team& team, const ComposeWeights<T>& cw, index_t S, index_t b, index_t g,
-            const KeyRing& ring) {
+            const detail::KeyRing& ring) {
     if (!pre.on && !post.on) return;
     index_t s0, s1;
     split_range(0, S, team.rank, team.size, 1, s0, s1);
@@ -164,8 +166,9 @@ struct ForwardTile {
 template <class T, class A>
 class ForwardKernel {
  public:
-  ForwardKernel(const detail::ForwardParams<T>& params, const RowMask& mask, const Team& team,
-                ForwardWorkspace<A>& ws, ForwardRows<A>& rows, const ComposeSides<A>& sides)
+  ForwardKernel(const detail::ForwardParams<T>& params, const detail::RowMask& mask,
+                const Team& team, ForwardWorkspace<A>& ws, ForwardRows<A>& rows,
+                const ComposeSides<A>& sides)
       : p_(params),
         mask_(mask),
         team_(team),
@@ -207,7 +210,7 @@ class ForwardKernel {
     block.g = g;
     block.t0 = t0;
     block.rows = std::min(p_.dims.T, t0 + ws_.Bq) - t0;
-    const KeyRange keys = mask_.rows(b, t0, t0 + block.rows);
+    const detail::KeyRange keys = mask_.rows(b, t0, t0 + block.rows);
     mask_.live_rows(b, t0, t0 + block.rows, block.lo, block.hi);
     block.live_rows = std::max<index_t>(block.hi - block.lo, 0);
     split_range(keys.begin, keys.end, team_.rank, team_.size, 16, block.key_begin, block.key_end);
@@ -215,12 +218,8 @@ class ForwardKernel {
       rows_.pre[i].load(sides_.pre, p_.compose.pre, b, t0 + i, g);
       rows_.post[i].load(sides_.post, p_.compose.post, b, t0 + i, g);
     }
-    A* max = my_max();
-    A* sum = my_sum();
-    for (index_t j = 0; j < M_ * ws_.Bq; ++j) {
-      max[j] = kNegInf<A>;
-      sum[j] = A(0);
-    }
+    detail::SoftmaxState<A>* state = my_state();
+    for (index_t j = 0; j < M_ * ws_.Bq; ++j) state[j] = {};
     // The score products read Q in place (float storage) or widened once per block (narrow).
     if constexpr (kNarrow)
       if (block.key_end > block.key_begin)
@@ -295,13 +294,13 @@ class ForwardKernel {
     const index_t Bq = ws_.Bq;
     A* tile_max = rows_.tile_max.data() + tile.index * M_ * Bq;
     for (index_t i = 0; i < block.rows; ++i) {
-      const KeyRange r = mask_.row(block.b, block.t0 + i);
+      const detail::KeyRange r = mask_.row(block.b, block.t0 + i);
       const index_t vb = std::max(r.begin, tile.begin), ve = std::min(r.end, tile.end);
       for (index_t m = 0; m < M_; ++m) {
         A* row = tile.slab + i * ws_.row_stride + m * ws_.tile - tile.begin;  // row[s]: key s
-        A& max = my_max()[m * Bq + i];
-        if (ve > vb) exponentiate_online(row, vb, ve, max, my_sum()[m * Bq + i]);
-        tile_max[i * M_ + m] = max;
+        detail::SoftmaxState<A>& state = my_state()[m * Bq + i];
+        if (ve > vb) exponentiate_online(row, vb, ve, state);
+        tile_max[i * M_ + m] = state.max;
         zero_invisible_keys(row, tile.begin, tile.end, vb, ve);
       }
     }
@@ -312,13 +311,12 @@ class ForwardKernel {
     const index_t Bq = ws_.Bq;
     for (index_t i = 0; i < block.rows; ++i)
       for (index_t m = 0; m < M_; ++m) {
-        const RunningSoftmax<A> row = combine_ranks(
-            ws_.row_max.data() + m * Bq + i, ws_.row_sum.data() + m * Bq + i, M_ * Bq, team_.size);
-        const A l = row.sum;
-        rows_.inv_sum[i * M_ + m] = l > 0 ? A(1) / l : A(0);
+        const detail::SoftmaxState<A>* ranks = ws_.row_state.data() + m * Bq + i;
+        const detail::SoftmaxState<A> row =
+            detail::merge_states<A>(team_.size, [&](int j) { return ranks[j * M_ * Bq]; });
+        rows_.inv_sum[i * M_ + m] = row.sum > 0 ? A(1) / row.sum : A(0);
         if (team_.rank == 0 && !p_.lse.empty())
-          p_.lse(block.b, block.g * M_ + m, block.t0 + i) =
-              l > 0 ? row.max + std::log(l) : kNegInf<A>;
+          p_.lse(block.b, block.g * M_ + m, block.t0 + i) = row.lse();
         rows_.final_max[i * M_ + m] = row.max;
       }
   }
@@ -360,12 +358,11 @@ class ForwardKernel {
     const index_t h0 = block.g * M_;
     return next_kv_rows(x, block.b, h0 + m, h0 + M_, group_of_kv_, slot);
   }
-  A* my_max() { return ws_.row_max.data() + team_.rank * M_ * ws_.Bq; }
-  A* my_sum() { return ws_.row_sum.data() + team_.rank * M_ * ws_.Bq; }
+  detail::SoftmaxState<A>* my_state() { return ws_.row_state.data() + team_.rank * M_ * ws_.Bq; }
   A* out_rows(index_t m) { return ws_.o_part + (team_.rank * M_ + m) * ws_.Bq * p_.dims.Dv; }
 
   const detail::ForwardParams<T>& p_;
-  const RowMask& mask_;
+  const detail::RowMask& mask_;
   const Team& team_;
   ForwardWorkspace<A>& ws_;
   ForwardRows<A>& rows_;

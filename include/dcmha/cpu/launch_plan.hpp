@@ -8,13 +8,14 @@
 #include <limits>
 #include <type_traits>
 
+#include "../common/compose_terms.hpp"
+#include "../common/mask.hpp"
 #include "../compose_weights.hpp"
 #include "../detail/dims.hpp"
 #include "../error.hpp"
 #include "../config.hpp"
 #include "../tensor.hpp"
 #include "../workspace.hpp"
-#include "mask.hpp"
 #include "tile.hpp"
 
 namespace dcmha::cpu {
@@ -92,7 +93,7 @@ struct LaunchBase {
   static constexpr bool kNarrow = !std::is_same_v<T, A>;  // bf16 storage, float arithmetic
 
   const Params& params;
-  RowMask mask;
+  detail::RowMask mask;
   int threads;
 
   LaunchBase(const Params& p, int threads_)
@@ -130,9 +131,11 @@ inline LaunchMode forward_launch_mode(index_t items, index_t blocks, int threads
 /// per thread and no window (a window of W keys makes every row of a block compute W + Bq - 1
 /// keys). Long sequences stay below 64 rows (56 at H16/T16384).
 template <class A>
-index_t forward_block_rows(const detail::AttentionDims& d, const RowMask& mask, int threads) {
-  const bool tall = mask.window == 0 && d.T >= kTallBlocksPerThread * kTallBlockRows * threads;
-  return query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(kBlockRows)), d.T, 1,
+index_t forward_block_rows(const detail::AttentionDims& d, const detail::RowMask& row_mask,
+                           int threads) {
+  const bool tall =
+      row_mask.mask.window == 0 && d.T >= kTallBlocksPerThread * kTallBlockRows * threads;
+  return query_block_rows<A>(d.M, padded_stride<A>(row_mask.max_block_keys(kBlockRows)), d.T, 1,
                              kForwardPanelBytes, tall ? kTallBlockRows : kBlockRows);
 }
 
@@ -142,12 +145,13 @@ index_t forward_block_rows(const detail::AttentionDims& d, const RowMask& mask, 
 /// on the thread count: it fixes the order of the per-tile sums, which keeps the gradients
 /// bitwise the same for every count.
 template <class A>
-index_t backward_block_rows(const detail::AttentionDims& d, const RowMask& mask, index_t items) {
+index_t backward_block_rows(const detail::AttentionDims& d, const detail::RowMask& row_mask,
+                            index_t items) {
   const index_t budget = std::clamp<index_t>(kBackwardPanelSetsBytes / std::max<index_t>(items, 1),
                                              kBackwardMinPanelSetBytes, kBackwardMaxPanelSetBytes);
-  const index_t max_rows = mask.window > 0 ? kBlockRows : kTallBlockRows;
-  return query_block_rows<A>(d.M, padded_stride<A>(mask.max_block_keys(max_rows)), d.T, 3, budget,
-                             max_rows);
+  const index_t max_rows = row_mask.mask.window > 0 ? kBlockRows : kTallBlockRows;
+  return query_block_rows<A>(d.M, padded_stride<A>(row_mask.max_block_keys(max_rows)), d.T, 3,
+                             budget, max_rows);
 }
 
 inline index_t gcd_index(index_t a, index_t b) { return b == 0 ? a : gcd_index(b, a % b); }
@@ -174,11 +178,7 @@ struct BackwardItems {
 template <class T>
 void check_buffer_sizes(const detail::AttentionDims& d, const ComposeWeights<T>& cw, int threads) {
   constexpr index_t lim = std::numeric_limits<index_t>::max() / 64;
-  index_t rank = 0;
-  for (const ComposeTerms<T>* c : {&cw.pre, &cw.post}) {
-    if (c->query_wise) rank = std::max(rank, c->qw1.shape[3]);
-    if (c->key_wise) rank = std::max(rank, c->kw1.shape[3]);
-  }
+  const index_t rank = detail::ComposeTermSets::of(cw).largest_rank();
   auto sum = [](std::initializer_list<index_t> xs) {  // saturates at lim + 1 (every x >= 0)
     index_t total = 0;
     for (index_t x : xs) total = x > lim - total ? lim + 1 : total + x;

@@ -1,30 +1,19 @@
 #pragma once
 // The softmax of one query row over its visible keys, in the pieces the kernels need: an online
-// pass over key tiles (the forward's pass 1), the team's statistics combined, one factor per tile
-// that turns stored exponentials into probabilities (the forward's pass 2), probabilities from
-// the forward's lse (the backward), and the zeros of keys a row does not see.
+// pass over key tiles (the forward's pass 1; the row's state, and the merge of a team's states,
+// are common/softmax_state.hpp's), one factor per tile that turns stored exponentials into
+// probabilities (the forward's pass 2), probabilities from the forward's lse (the backward), and
+// the zeros of keys a row does not see.
 //
 // A row's values live in a panel slab with row[s] holding key s of the tile's keys [cs, ce);
-// the row sees keys [visible_begin, visible_end) (RowMask), possibly none of the tile.
+// the row sees keys [visible_begin, visible_end) (common/mask.hpp), possibly none of the tile.
 #include <algorithm>
-#include <cmath>
-#include <limits>
 
+#include "../common/softmax_state.hpp"
 #include "../tensor.hpp"
 #include "tile.hpp"
 
 namespace dcmha::cpu {
-
-template <class A>
-constexpr A kNegInf = -std::numeric_limits<A>::infinity();
-
-/// One row and head's running statistics: the maximum seen so far and the sum of exponentials
-/// taken against it; max = -inf means no key yet.
-template <class A>
-struct RunningSoftmax {
-  A max = kNegInf<A>;
-  A sum = A(0);
-};
 
 /// Keys [cs, ce) of a row that lie outside [visible_begin, visible_end) become exactly 0, so that
 /// Compose_post and P'V (or the backward's products) see nothing of them.
@@ -35,30 +24,15 @@ inline void zero_invisible_keys(A* row, index_t cs, index_t ce, index_t visible_
   for (index_t s = std::max(visible_end, cs); s < ce; ++s) row[s] = A(0);
 }
 
-/// row[s] = exp(row[s] - running max) over keys [begin, end) (non-empty), the running maximum
-/// `max` raised to theirs first and the sum of exponentials so far rescaled to it.
+/// row[s] = exp(row[s] - running max) over keys [begin, end) (non-empty), the row's state
+/// raised to their maximum first (its sum so far rescaled to it), their sum added.
 template <class A>
-inline void exponentiate_online(A* row, index_t begin, index_t end, A& max, A& sum) {
+inline void exponentiate_online(A* row, index_t begin, index_t end,
+                                detail::SoftmaxState<A>& state) {
   Segment<A> e(row + begin, end - begin);
-  const A new_max = std::max(max, e.maxCoeff());
-  // Rescale the sum so far; max = -inf means there is none yet (and exp would give NaN).
-  if (max != kNegInf<A> && new_max != max) sum *= std::exp(max - new_max);
-  max = new_max;
-  e = (e - max).exp();
-  sum += e.sum();
-}
-
-/// One row and head's statistics over a team's ranks (each saw a share of the keys): `max` and
-/// `sum` hold rank j's at j * stride; summed in rank order.
-template <class A>
-inline RunningSoftmax<A> combine_ranks(const A* max, const A* sum, index_t stride, int ranks) {
-  RunningSoftmax<A> total;
-  for (int j = 0; j < ranks; ++j) total.max = std::max(total.max, max[j * stride]);
-  for (int j = 0; j < ranks; ++j) {
-    const A mj = max[j * stride];
-    if (mj != kNegInf<A>) total.sum += sum[j * stride] * std::exp(mj - total.max);
-  }
-  return total;
+  state.raise_max(e.maxCoeff());
+  e = (e - state.max).exp();
+  state.sum += e.sum();
 }
 
 /// The factors that turn one tile's exponentials into probabilities, n of them (a block's rows
@@ -70,7 +44,8 @@ inline void tile_probability_factors(const A* tile_max, const A* row_max, const 
                                      index_t n, A* factors) {
   using Row = Eigen::Map<const Eigen::Array<A, Eigen::Dynamic, 1>>;
   const Row tm(tile_max, n), fm(row_max, n), inv(inverse_sum, n);
-  Segment<A>(factors, n) = (tm == kNegInf<A>).select(A(0), (tm - fm).exp() * inv);
+  Segment<A>(factors, n) =
+      (tm == detail::negative_infinity<A>()).select(A(0), (tm - fm).exp() * inv);
 }
 
 /// row[s] = exp(row[s] - lse) over keys [begin, end): probabilities from the forward's

@@ -169,7 +169,7 @@ class ForwardKernel {
     for_each_owned(blk_, geo_.M * geo_.rows, [&](index_t item) {
       const index_t m = item / geo_.rows, r = item % geo_.rows;
       const KeyRange seen =
-          visible_keys(p_.mask, at_.rows.t0 + r, at_.rows.query_length, at_.rows.key_length);
+          cuda::visible_keys(p_.mask, at_.rows.t0 + r, at_.rows.query_length, at_.rows.key_length);
       const A* row = sh_.composed + m * geo_.positions() + r * geo_.keys;
       A tile_max = negative_infinity<A>();
       for (index_t c = 0; c < at_.keys.count; ++c)

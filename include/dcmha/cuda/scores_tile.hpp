@@ -17,7 +17,7 @@ DCMHA_HOST_DEVICE void score_tile(const Block& blk, const detail::QkvParams<T>& 
   for_each_owned(blk, geo.scores(), [&](index_t i) {
     const index_t m = i / P;
     const Position q = position(geo, at, i % P);
-    const KeyRange seen = visible_keys(p.mask, q.t, at.rows.query_length, at.rows.key_length);
+    const KeyRange seen = cuda::visible_keys(p.mask, q.t, at.rows.query_length, at.rows.key_length);
     if (!q.real || !sees(seen, q.s)) {
       scores[i] = 0;
       return;
@@ -62,7 +62,7 @@ DCMHA_HOST_DEVICE void probabilities_tile(const Block& blk, const detail::QkvPar
   for_each_owned(blk, geo.scores(), [&](index_t i) {
     const index_t m = i / P;
     const Position q = position(geo, at, i % P);
-    const KeyRange seen = visible_keys(p.mask, q.t, at.rows.query_length, at.rows.key_length);
+    const KeyRange seen = cuda::visible_keys(p.mask, q.t, at.rows.query_length, at.rows.key_length);
     const A row_lse = lse[m * geo.rows + q.r];
     using std::exp;
     x[i] =

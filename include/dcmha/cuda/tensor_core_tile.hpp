@@ -146,7 +146,7 @@ DCMHA_HOST_DEVICE void score_tile_on_tensor_cores(const Block& blk, const detail
   tensor_core::row_panel_products(blk, geo, at, p.dims.H / p.dims.Hk, p.q, p.k, geo.D, staging,
                                   [&](index_t m, index_t r, index_t c, float dot) {
                                     const Position q = position(geo, at, r * geo.keys + c);
-                                    const KeyRange seen = visible_keys(
+                                    const KeyRange seen = cuda::visible_keys(
                                         p.mask, q.t, at.rows.query_length, at.rows.key_length);
                                     scores[m * geo.positions() + r * geo.keys + c] =
                                         q.real && sees(seen, q.s) ? A(p.scale) * A(dot) : A(0);

@@ -67,8 +67,8 @@ DCMHA_HOST_DEVICE inline bool sees(const KeyRange& r, index_t s) {
 DCMHA_HOST_DEVICE inline KeyRange tile_keys(const detail::MaskParams& mask, const QueryTile& q) {
   const index_t last_row = (q.t0 + q.rows < q.query_length ? q.t0 + q.rows : q.query_length) - 1;
   if (last_row < q.t0) return {0, 0};
-  const KeyRange first = visible_keys(mask, q.t0, q.query_length, q.key_length);
-  const KeyRange last = visible_keys(mask, last_row, q.query_length, q.key_length);
+  const KeyRange first = cuda::visible_keys(mask, q.t0, q.query_length, q.key_length);
+  const KeyRange last = cuda::visible_keys(mask, last_row, q.query_length, q.key_length);
   return {first.begin < last.begin ? first.begin : last.begin,
           first.end > last.end ? first.end : last.end};
 }
