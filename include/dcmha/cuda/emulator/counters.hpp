@@ -1,0 +1,86 @@
+#pragma once
+// What the emulator counts per launch, for the cost model (tools/cost_model): global memory in
+// 32-byte sectors, shared memory in wavefronts (a bank-conflicted access replays), tensor-core
+// and CUDA-core operations, barriers. A warp instruction's accesses are the lanes' accesses with
+// the same index since the warp last met (at a collective or a barrier), which is exact for
+// convergent code and close for the kernels' few divergent branches.
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dcmha::cuda::emulator {
+
+struct Counters {
+  std::uint64_t blocks = 0, threads = 0;
+  std::uint64_t global_load_bytes = 0, global_load_sectors = 0;
+  std::uint64_t global_store_bytes = 0, global_store_sectors = 0;
+  std::uint64_t shared_bytes = 0, shared_requests = 0, shared_wavefronts = 0;
+  std::uint64_t peer_shared_bytes = 0;  // another block's shared memory (a cluster's DSMEM)
+  std::uint64_t mma = 0;                // m16n8k16 tensor-core instructions (2,048 multiply-adds)
+  std::uint64_t fma = 0, exp = 0;  // CUDA-core multiply-adds and exponentials the kernels count
+  std::uint64_t shuffles = 0, block_barriers = 0, cluster_barriers = 0, warp_syncs = 0;
+
+  Counters& operator+=(const Counters& o) {
+    blocks += o.blocks, threads += o.threads;
+    global_load_bytes += o.global_load_bytes, global_load_sectors += o.global_load_sectors;
+    global_store_bytes += o.global_store_bytes, global_store_sectors += o.global_store_sectors;
+    shared_bytes += o.shared_bytes, shared_requests += o.shared_requests;
+    shared_wavefronts += o.shared_wavefronts, peer_shared_bytes += o.peer_shared_bytes;
+    mma += o.mma, fma += o.fma, exp += o.exp, shuffles += o.shuffles;
+    block_barriers += o.block_barriers, cluster_barriers += o.cluster_barriers;
+    warp_syncs += o.warp_syncs;
+    return *this;
+  }
+};
+
+/// One lane's memory access, as logged between two meetings of its warp.
+struct LoggedAccess {
+  const void* address = nullptr;
+  std::uint32_t bytes = 0;
+  bool shared = false, store = false, peer = false;
+};
+
+/// The 32-byte sectors a warp instruction's accesses touch.
+inline std::uint64_t sectors_of(const std::vector<LoggedAccess>& lanes) {
+  std::vector<std::uintptr_t> sectors;
+  for (const LoggedAccess& a : lanes) {
+    const auto first = reinterpret_cast<std::uintptr_t>(a.address) / 32;
+    const auto last = (reinterpret_cast<std::uintptr_t>(a.address) + a.bytes - 1) / 32;
+    for (std::uintptr_t s = first; s <= last; ++s) sectors.push_back(s);
+  }
+  std::sort(sectors.begin(), sectors.end());
+  return static_cast<std::uint64_t>(std::unique(sectors.begin(), sectors.end()) - sectors.begin());
+}
+
+/// Shared-memory wavefronts of accesses made together: 32 banks of 4 bytes deliver one word each
+/// per wavefront, the same word to any number of lanes; the most distinct words any bank must
+/// deliver is the wavefront count.
+inline std::uint64_t wavefronts_of(const LoggedAccess* lanes, std::size_t n) {
+  std::vector<std::uintptr_t> words;
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto first = reinterpret_cast<std::uintptr_t>(lanes[i].address) / 4;
+    const auto last = (reinterpret_cast<std::uintptr_t>(lanes[i].address) + lanes[i].bytes - 1) / 4;
+    for (std::uintptr_t w = first; w <= last; ++w) words.push_back(w);
+  }
+  std::sort(words.begin(), words.end());
+  words.erase(std::unique(words.begin(), words.end()), words.end());
+  std::uint64_t per_bank[32] = {};
+  std::uint64_t most = 0;
+  for (std::uintptr_t w : words) most = std::max(most, ++per_bank[w % 32]);
+  return most;
+}
+
+/// A warp instruction's shared-memory wavefronts: accesses of 8 bytes go in two phases of 16
+/// lanes, of 16 bytes in four of 8 (the hardware's), each phase counted as above.
+inline std::uint64_t shared_wavefronts(const std::vector<LoggedAccess>& lanes) {
+  if (lanes.empty()) return 0;
+  const std::uint32_t bytes = lanes.front().bytes;
+  const std::size_t phase = bytes >= 16 ? 8 : bytes == 8 ? 16 : 32;
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < lanes.size(); i += phase)
+    total += wavefronts_of(lanes.data() + i, std::min(phase, lanes.size() - i));
+  return total;
+}
+
+}  // namespace dcmha::cuda::emulator

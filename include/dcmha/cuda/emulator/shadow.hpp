@@ -1,0 +1,212 @@
+#pragma once
+// The emulator's race detector: a shadow record per 2 bytes of a cluster's shared memory, saying
+// who last wrote it and who read it since, with the synchronization generations they had then.
+// An access is ordered after an earlier one of another thread only through a barrier both passed
+// since: a block barrier (same block), a cluster barrier (any block of the cluster), or a warp
+// sync (same warp). Anything else is a race, reported with both sites. Destinations of
+// asynchronous copies are marked pending from the copy until its wait: reading or writing them
+// then is an error too (and reads see NaN, which the copy put there).
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dcmha::cuda::emulator {
+
+/// Where a kernel called the emulator from: a warp instruction, a barrier, a memory access.
+struct Site {
+  const char* file = "?";
+  int line = 0;
+  static Site here(const char* file = __builtin_FILE(), int line = __builtin_LINE()) {
+    return {file, line};
+  }
+  std::string str() const;
+};
+
+inline std::string Site::str() const {
+  std::string f = file;
+  const std::size_t slash = f.find("include/dcmha/");
+  if (slash != std::string::npos) f = f.substr(slash + 8);
+  return f + ":" + std::to_string(line);
+}
+
+/// One thread as the detector sees it, and the generations of the barriers it has passed.
+struct Accessor {
+  int thread = 0;  // in the cluster: block rank * threads + thread
+  int warp = 0;    // in the cluster
+  int block = 0;   // cluster rank
+  std::uint32_t block_generation = 0, cluster_generation = 0, warp_generation = 0;
+};
+
+/// An access as recorded: who, at which generations, from where.
+struct AccessRecord {
+  static constexpr int kNone = -1, kMany = -2;
+  std::int32_t thread = kNone;
+  std::int16_t warp = kNone, block = kNone;
+  std::uint32_t block_generation = 0, cluster_generation = 0, warp_generation = 0;
+  Site site;
+
+  bool empty() const { return thread == kNone; }
+  bool same(const AccessRecord& o) const {
+    return thread == o.thread && warp == o.warp && block == o.block &&
+           block_generation == o.block_generation && cluster_generation == o.cluster_generation &&
+           warp_generation == o.warp_generation;
+  }
+  static AccessRecord of(const Accessor& a, Site site) {
+    AccessRecord r;
+    r.thread = a.thread;
+    r.warp = static_cast<std::int16_t>(a.warp);
+    r.block = static_cast<std::int16_t>(a.block);
+    r.block_generation = a.block_generation;
+    r.cluster_generation = a.cluster_generation;
+    r.warp_generation = a.warp_generation;
+    r.site = site;
+    return r;
+  }
+};
+
+/// The generations now, for the accessor's comparisons.
+struct Generations {
+  const std::vector<std::uint32_t>* block = nullptr;  // per cluster rank
+  const std::vector<std::uint32_t>* warp = nullptr;   // per warp of the cluster
+  std::uint32_t cluster = 0;
+};
+
+/// Whether every access of `r` happened before a barrier that `a` has passed since.
+inline bool ordered_before(const AccessRecord& r, const Accessor& a, const Generations& now) {
+  if (r.empty()) return true;
+  if (r.thread == a.thread) return true;
+  if (r.cluster_generation < now.cluster) return true;
+  if (r.block >= 0 && r.block == a.block &&
+      r.block_generation < (*now.block)[static_cast<std::size_t>(r.block)])
+    return true;
+  if (r.warp >= 0 && r.warp == a.warp &&
+      r.warp_generation < (*now.warp)[static_cast<std::size_t>(r.warp)])
+    return true;
+  return false;
+}
+
+struct ShadowCell {
+  AccessRecord write, reads;
+  int pending_copy = -1;  // thread whose asynchronous copy lands here, or -1
+};
+
+/// What one race looked like.
+struct Race {
+  std::string what;
+};
+
+/// The shadow of one cluster's shared memory (all its blocks, at `stride` bytes apart).
+class Shadow {
+ public:
+  void reset(std::size_t bytes) { cells_.assign((bytes + 1) / 2, ShadowCell{}); }
+
+  /// Checks a read of bytes [offset, offset + n) by `a`, then records it. Neighbouring cells
+  /// mostly hold the same records (a row written by one thread, read by one): those are decided
+  /// once.
+  void read(std::size_t offset, std::size_t n, const Accessor& a, Site site,
+            const Generations& now) {
+    const AccessRecord me = AccessRecord::of(a, site);
+    bool decided = false;  // the last cell's records, before and after: the same records repeat
+    AccessRecord last_write, last_reads, last_result;
+    for (std::size_t c = offset / 2; c < (offset + n + 1) / 2 && c < cells_.size(); ++c) {
+      ShadowCell& cell = cells_[c];
+      if (cell.pending_copy >= 0) {
+        report("read of an asynchronous copy's destination before its wait", c, a, site,
+               cell.write.site);
+        decided = false;
+        continue;
+      }
+      if (decided && last_write.same(cell.write) && last_reads.same(cell.reads)) {
+        cell.reads = last_result;
+        continue;
+      }
+      last_write = cell.write;
+      last_reads = cell.reads;
+      if (cell.write.thread != a.thread && !ordered_before(cell.write, a, now))
+        report("read after another thread's write with no barrier between", c, a, site,
+               cell.write.site);
+      if (!cell.reads.same(me)) merge_read(cell.reads, a, site, now);
+      last_result = cell.reads;
+      decided = true;
+    }
+  }
+
+  /// Checks a write of bytes [offset, offset + n) by `a`, then records it (pending: the
+  /// destination of an asynchronous copy, landing at the issuing thread's wait).
+  void write(std::size_t offset, std::size_t n, const Accessor& a, Site site,
+             const Generations& now, bool pending = false) {
+    for (std::size_t c = offset / 2; c < (offset + n + 1) / 2 && c < cells_.size(); ++c) {
+      ShadowCell& cell = cells_[c];
+      if (cell.pending_copy >= 0)
+        report("write to an asynchronous copy's destination before its wait", c, a, site,
+               cell.write.site);
+      else if (!ordered_before(cell.write, a, now))
+        report("write after another thread's write with no barrier between", c, a, site,
+               cell.write.site);
+      else if (!reads_ordered_before_write(cell.reads, a, now))
+        report("write after another thread's read with no barrier between", c, a, site,
+               cell.reads.site);
+      cell.write = AccessRecord::of(a, site);
+      cell.reads = AccessRecord{};
+      cell.pending_copy = pending ? a.thread : -1;
+    }
+  }
+
+  /// An asynchronous copy of `a` into [offset, offset + n) lands: a write at this moment.
+  void land(std::size_t offset, std::size_t n, const Accessor& a, Site site) {
+    for (std::size_t c = offset / 2; c < (offset + n + 1) / 2 && c < cells_.size(); ++c) {
+      cells_[c].pending_copy = -1;
+      cells_[c].write = AccessRecord::of(a, site);
+      cells_[c].reads = AccessRecord{};
+    }
+  }
+
+  const std::vector<Race>& races() const { return races_; }
+  std::size_t race_count() const { return race_count_; }
+
+ private:
+  /// A later write by `a` is ordered after the recorded reads when each of them is: the
+  /// record keeps their common thread, warp and block where they share one.
+  static bool reads_ordered_before_write(const AccessRecord& r, const Accessor& a,
+                                         const Generations& now) {
+    if (r.empty() || r.thread == a.thread) return true;
+    if (r.cluster_generation < now.cluster) return true;
+    if (r.block >= 0 && r.block == a.block &&
+        r.block_generation < (*now.block)[static_cast<std::size_t>(r.block)])
+      return true;
+    return r.warp >= 0 && r.warp == a.warp &&
+           r.warp_generation < (*now.warp)[static_cast<std::size_t>(r.warp)];
+  }
+
+  static void merge_read(AccessRecord& r, const Accessor& a, Site site, const Generations& now) {
+    // Reads a block (or cluster) barrier has ordered before this one are ordered before any
+    // later write in the block as well: only reads since that barrier need remembering.
+    const bool stale =
+        r.empty() || r.cluster_generation < now.cluster ||
+        (r.block >= 0 && r.block_generation < (*now.block)[static_cast<std::size_t>(r.block)]);
+    if (stale) {
+      r = AccessRecord::of(a, site);
+      return;
+    }
+    if (r.thread != a.thread) r.thread = AccessRecord::kMany;
+    if (r.warp != a.warp) r.warp = AccessRecord::kMany;
+    if (r.block != a.block) r.block = AccessRecord::kMany;
+    if (a.warp_generation > r.warp_generation) r.warp_generation = a.warp_generation;
+    r.site = site;
+  }
+
+  void report(const char* what, std::size_t cell, const Accessor& a, Site site, Site other) {
+    ++race_count_;
+    if (races_.size() >= 8) return;
+    races_.push_back({std::string(what) + ": thread " + std::to_string(a.thread) + " at " +
+                      site.str() + ", shared byte " + std::to_string(2 * cell) +
+                      ", earlier access at " + other.str()});
+  }
+
+  std::vector<ShadowCell> cells_;
+  std::vector<Race> races_;
+  std::size_t race_count_ = 0;
+};
+
+}  // namespace dcmha::cuda::emulator
