@@ -50,4 +50,9 @@ using acc_t = typename accumulator<T>::type;
 /// results on the same values, rounded once to bf16.
 using bf16 = Eigen::bfloat16;
 
+/// IEEE float16 storage (the DCFormer-2.8B and DCPythia checkpoints' type), with the same
+/// contract as bf16: arithmetic and lse in float, each result rounded once. The CUDA backend takes
+/// it; the CPU entry points take float, double and bf16.
+using half = Eigen::half;
+
 }  // namespace dcmha

@@ -1,11 +1,25 @@
 #pragma once
-// The CUDA backend's entry points compiled once (kernel_instances.cu) for every CUDA target of
-// the build: each .cu that includes this header declares them extern and links
-// dcmha_cuda_test_kernels, instead of compiling every kernel for every architecture again.
+// The CUDA backend's kernels compiled once for the tests and benchmarks, one translation unit
+// per (storage type, head-dim class) (kernel_instance.cu, built by CMakeLists.txt for each) so
+// that they compile in parallel: each .cu that includes this header declares them extern and
+// links dcmha_cuda_test_kernels.
 #include <dcmha/cuda/attention.hpp>
 #include <dcmha/cuda/decode.hpp>
 
-#define DCMHA_CUDA_ATTENTION_INSTANCES(PREFIX, T)                                            \
+#define DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, D)                                                \
+  PREFIX void dcmha::cuda::run_forward_kernels<T, D>(                                           \
+      const char*, const dcmha::detail::ForwardParams<T>&, const dcmha::cuda::ForwardLaunch&,   \
+      const dcmha::cuda::KeySplit&, cudaStream_t);                                              \
+  PREFIX void dcmha::cuda::run_backward_kernels<T, D>(                                          \
+      const char*, const dcmha::detail::BackwardParams<T>&, const dcmha::cuda::BackwardLaunch&, \
+      const dcmha::cuda::BackwardScratch&, cudaStream_t);
+
+#define DCMHA_CUDA_TYPE_INSTANCES(PREFIX, T)                                                 \
+  DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, 32)                                                  \
+  DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, 64)                                                  \
+  DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, 96)                                                  \
+  DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, 128)                                                 \
+  DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, 256)                                                 \
   PREFIX void dcmha::cuda::launch_forward<T>(const char*, dcmha::detail::ForwardParams<T>,   \
                                              dcmha::cuda::DeviceWorkspace&, cudaStream_t,    \
                                              const dcmha::cuda::LaunchOptions&);             \
@@ -14,6 +28,7 @@
                                               const dcmha::cuda::LaunchOptions&);
 
 #ifndef DCMHA_CUDA_DEFINE_INSTANCES
-DCMHA_CUDA_ATTENTION_INSTANCES(extern template, float)
-DCMHA_CUDA_ATTENTION_INSTANCES(extern template, dcmha::bf16)
+DCMHA_CUDA_TYPE_INSTANCES(extern template, float)
+DCMHA_CUDA_TYPE_INSTANCES(extern template, dcmha::bf16)
+DCMHA_CUDA_TYPE_INSTANCES(extern template, dcmha::half)
 #endif

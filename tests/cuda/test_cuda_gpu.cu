@@ -1,6 +1,7 @@
 // The CUDA backend on a GPU: forward and backward on device memory against the test reference
-// (float and bf16 storage, every compose switch, masks, windows, lengths, GQA, tile shapes),
-// decode steps through a device DecodeCache, bitwise from run to run, and the errors.
+// (float, bf16 and fp16 storage, every compose switch, masks, windows, lengths, GQA, clusters,
+// head dims), bf16 against the CPU kernels, decode steps through a device DecodeCache, bitwise
+// from run to run, and the errors.
 // Without a CUDA device the program reports itself skipped (exit code 77, CTest's
 // SKIP_RETURN_CODE for this test).
 #include <cuda_runtime.h>
@@ -13,6 +14,7 @@
 
 #include <dcmha/cuda/decode.hpp>
 
+#include "cuda/cpu_results.hpp"
 #include "cuda/kernel_instances.hpp"
 #include "reference/reference.hpp"
 #include "support/backend_cases.hpp"
@@ -95,19 +97,6 @@ class DeviceMirror {
   std::vector<void*> allocations_;
 };
 
-/// The case's problem; with bf16_values every input rounded to a bf16 value.
-dcmha::reference::Problem case_problem(const Case& c, uint64_t seed, bool bf16_values) {
-  dcmha::reference::Problem p = dcmha::test::problem_of(c, seed);
-  if (!bf16_values) return p;
-  auto round = [](std::vector<double>& x) {
-    for (double& e : x) e = double(float(dcmha::bf16(float(e))));
-  };
-  for (auto* x : {&p.q, &p.k, &p.v}) round(*x);
-  for (auto* s : {&p.pre, &p.post})
-    for (auto* x : {&s->w, &s->qw1, &s->qw2, &s->kw1, &s->kw2, &s->qdd, &s->kdd}) round(*x);
-  return p;
-}
-
 /// A problem's forward and backward on the GPU; results land in tp's host buffers.
 template <class T>
 void run_on_gpu(const Case& c, TypedProblem<T>& tp, dcmha::cuda::DeviceWorkspace& ws,
@@ -148,12 +137,14 @@ std::vector<double> results(const TypedProblem<T>& tp) {
   return all;
 }
 
+/// The case on the GPU against the reference on the same inputs (rounded to T).
 template <class T>
 void check_against_reference(const Case& c, uint64_t seed, double tolerance) {
   SCOPED_TRACE(c.str() + " seed=" + std::to_string(seed));
-  const bool bf16 = std::is_same_v<T, dcmha::bf16>;
-  const dcmha::reference::Problem p = case_problem(c, seed, bf16);
-  const std::vector<double> dout = dcmha::test::random_dout(p, seed);
+  const dcmha::reference::Problem p =
+      dcmha::test::storage_problem<T>(dcmha::test::problem_of(c, seed));
+  std::vector<double> dout = dcmha::test::random_dout(p, seed);
+  for (double& x : dout) x = dcmha::test::round_to<T>(x);
   const auto [expected_out, expected] = dcmha::reference::forward_and_backward(p, dout);
   TypedProblem<T> tp(p);
   tp.set_dout(dout);
@@ -164,6 +155,25 @@ void check_against_reference(const Case& c, uint64_t seed, double tolerance) {
     EXPECT_LE(e.rel, tolerance) << e.name;
 }
 
+/// The case on the GPU against the CPU kernels on the same inputs (bf16 storage on both).
+void check_against_cpu(const Case& c, uint64_t seed, double tolerance) {
+  SCOPED_TRACE(c.str() + " seed=" + std::to_string(seed));
+  using dcmha::bf16;
+  const dcmha::reference::Problem p =
+      dcmha::test::storage_problem<bf16>(dcmha::test::problem_of(c, seed));
+  std::vector<double> dout = dcmha::test::random_dout(p, seed);
+  for (double& x : dout) x = dcmha::test::round_to<bf16>(x);
+  TypedProblem<bf16> gpu(p);
+  gpu.set_dout(dout);
+  dcmha::cuda::DeviceWorkspace ws;
+  run_on_gpu(c, gpu, ws);
+  const std::vector<double> expected =
+      dcmha::test::cpu_results_bf16(p, dout, c.query_lengths, c.key_lengths);
+  EXPECT_LE(dcmha::test::max_rel_error(expected, results(gpu)), tolerance);
+}
+
+constexpr double kFloat = 2e-4, kBf16 = 3e-2, kHalf = 4e-3;
+
 TEST(CudaGpu, EverySwitchAgainstTheReference) {
   ProblemSpec s = tiled_spec();
   const SideSpec sides[] = {SideSpec::none(),     SideSpec::all(),      SideSpec::dynamic(),
@@ -172,51 +182,57 @@ TEST(CudaGpu, EverySwitchAgainstTheReference) {
   for (const SideSpec& pre : sides)
     for (const SideSpec& post : {SideSpec::none(), SideSpec::all()}) {
       s.pre = pre, s.post = post;
-      check_against_reference<float>(with_launch(s), seed++, 2e-4);
-      check_against_reference<float>(with_launch(s, {64, 2, 4, 3}), seed++, 2e-4);  // 3 splits
+      check_against_reference<float>(with_launch(s), seed++, kFloat);
+      check_against_reference<float>(with_launch(s, dcmha::test::tiles(0, 2, 3)), seed++, kFloat);
+    }
+}
+
+TEST(CudaGpu, TensorCoresAgainstTheCpuAndTheReference) {
+  // bf16 and fp16 on the tensor cores: MHA in fragments, DCMHA through the compose tiles, at the
+  // checkpoints' head dims; bf16 against the CPU kernels too.
+  ProblemSpec s = tiled_spec();
+  s.T = 70, s.S = 90;
+  uint64_t seed = 30;
+  for (int64_t d : {64, 80, 128})
+    for (const SideSpec& side : {SideSpec::none(), SideSpec::dynamic(), SideSpec::all()}) {
+      s.D = s.Dv = d, s.pre = s.post = side;
+      check_against_reference<dcmha::bf16>(with_launch(s), seed++, kBf16);
+      check_against_reference<dcmha::half>(with_launch(s), seed++, kHalf);
+      check_against_cpu(with_launch(s), seed++, kBf16);
     }
 }
 
 TEST(CudaGpu, MasksWindowsLengthsAndLongerRows) {
   ProblemSpec s = tiled_spec();
   s.T = 150, s.S = 170, s.D = 32, s.Dv = 24;
-  check_against_reference<float>(with_launch(s), 10, 2e-4);
+  check_against_reference<float>(with_launch(s), 10, kFloat);
   s.causal = false, s.window = 37;
-  check_against_reference<float>(with_launch(s), 11, 2e-4);
+  check_against_reference<float>(with_launch(s), 11, kFloat);
   Case c = with_launch(tiled_spec());
   c.spec.B = 3;
-  c.query_lengths = {7, 4, 0};
-  c.key_lengths = {9, 6, 3};
-  check_against_reference<float>(c, 12, 2e-4);
+  c.query_lengths = {37, 20, 0};
+  c.key_lengths = {45, 30, 3};
+  check_against_reference<float>(c, 12, kFloat);
+  c.spec.D = c.spec.Dv = 64;
+  check_against_reference<dcmha::bf16>(c, 13, kBf16);
 }
 
-TEST(CudaGpu, OfficialShapeInBf16) {
-  // 32 heads in one group, every term, D = 64: the reference's result within bf16's resolution,
-  // with the products on tensor cores and without.
+TEST(CudaGpu, OfficialShapeOnClusters) {
+  // 32 heads in one group, rank 2, every dynamic term: the cluster of 8 blocks reading each
+  // other's shared memory; GQA and split keys on clusters too.
   ProblemSpec s;
-  s.B = 1, s.H = 32, s.Hk = 32, s.G = 1, s.T = 40, s.S = 40, s.D = 64, s.Dv = 64;
-  s.causal = true;
-  check_against_reference<float>(with_launch(s), 20, 2e-4);
-  check_against_reference<dcmha::bf16>(with_launch(s), 21, 2e-2);
-  dcmha::cuda::LaunchOptions scalar;
-  scalar.tensor_cores = false;
-  check_against_reference<dcmha::bf16>(with_launch(s, scalar), 22, 2e-2);
-}
-
-TEST(CudaGpu, TensorCoresWithLengthsGqaAndSplits) {
-  // bf16 tensor-core tiles over padded sequences, partial key steps, GQA and split keys.
-  ProblemSpec s = tiled_spec();
-  s.B = 3, s.T = 21, s.S = 75, s.D = 32, s.Dv = 64;
-  Case c = with_launch(s, {64, 8, 32, 0});
-  c.query_lengths = {21, 9, 0};
-  c.key_lengths = {75, 40, 5};
-  check_against_reference<dcmha::bf16>(c, 23, 2e-2);
-  c.launch.key_splits = 2;
-  check_against_reference<dcmha::bf16>(c, 24, 2e-2);
+  s.B = 1, s.H = 32, s.Hk = 32, s.G = 1, s.T = 100, s.S = 100, s.D = 128, s.Dv = 128;
+  s.causal = true, s.pre = s.post = SideSpec::dynamic();
+  check_against_reference<dcmha::bf16>(with_launch(s), 20, kBf16);
+  check_against_reference<dcmha::half>(with_launch(s), 21, kHalf);
+  s.H = 8, s.Hk = 4, s.T = 5, s.S = 300, s.D = s.Dv = 64;
+  check_against_reference<dcmha::bf16>(with_launch(s, dcmha::test::tiles(0, 4, 3)), 22, kBf16);
 }
 
 TEST(CudaGpu, BackwardIsBitwiseDeterministic) {
-  const Case c = with_launch(tiled_spec());
+  ProblemSpec s = tiled_spec();
+  s.H = 8, s.Hk = 4, s.G = 1;
+  const Case c = with_launch(s, dcmha::test::tiles(0, 4));
   const dcmha::reference::Problem p = dcmha::test::problem_of(c, 40);
   const std::vector<double> dout = dcmha::test::random_dout(p, 40);
   TypedProblem<float> a(p), b(p);
@@ -234,22 +250,23 @@ TEST(CudaGpu, BackwardIsBitwiseDeterministic) {
 
 /// Appends and decodes p's tokens through a device DecodeCache by `schedule`; the rows must be
 /// the full causal forward's (with the window, if any).
+template <class T>
 void check_decode_steps(const ProblemSpec& s, uint64_t seed,
                         const dcmha::test::DecodeSchedule& schedule, index_t max_step,
-                        const LaunchOptions& launch = {}) {
+                        double tolerance, const LaunchOptions& launch = {}) {
   SCOPED_TRACE(s.str());
-  const dcmha::reference::Problem p = dcmha::test::random_problem(s, seed);
-  dcmha::cuda::DecodeCache<float> cache(dcmha::test::cache_config(p, s.T, max_step));
+  const dcmha::reference::Problem p =
+      dcmha::test::storage_problem<T>(dcmha::test::random_problem(s, seed));
+  dcmha::cuda::DecodeCache<T> cache(dcmha::test::cache_config(p, s.T, max_step));
   dcmha::cuda::DeviceWorkspace ws;
   dcmha::AttentionConfig cfg;
   cfg.mask = dcmha::Mask::causal;
   cfg.window = s.window;
   const auto outs = dcmha::test::decode_steps_with<
-      float>(p, schedule, [&](const dcmha::test::DecodeStepTensors<float>& x) {
+      T>(p, schedule, [&](const dcmha::test::DecodeStepTensors<T>& x) {
     DeviceMirror dev;
-    const dcmha::ComposeWeights<float> key_side{dev.of(x.key_side.pre), dev.of(x.key_side.post)};
-    const dcmha::ComposeWeights<float> query_side{dev.of(x.query_side.pre),
-                                                  dev.of(x.query_side.post)};
+    const dcmha::ComposeWeights<T> key_side{dev.of(x.key_side.pre), dev.of(x.key_side.post)};
+    const dcmha::ComposeWeights<T> query_side{dev.of(x.query_side.pre), dev.of(x.query_side.post)};
     const auto out = dev.of(x.out);
     cache.append(dev.of(x.k), dev.of(x.v), key_side, x.counts);
     dcmha::cuda::decode(cfg, dev.of(x.q), cache, query_side, out, ws, 0, launch);
@@ -258,44 +275,57 @@ void check_decode_steps(const ProblemSpec& s, uint64_t seed,
   });
   int64_t padding_nonzero = 0;
   const std::vector<double> rows = dcmha::test::assemble_rows(p, schedule, outs, padding_nonzero);
-  EXPECT_LE(dcmha::test::max_rel_error(dcmha::reference::forward(p), rows), 2e-4);
+  EXPECT_LE(dcmha::test::max_rel_error(dcmha::reference::forward(p), rows), tolerance);
   EXPECT_EQ(padding_nonzero, 0);
 }
 
-TEST(CudaGpu, SmallCaseForTheSanitizers) {
-  // scripts/gpu_check.sh runs compute-sanitizer's tools on this one: every kernel (forward, both
-  // backward sides, the W sums, append, decode with split keys and their combination) on a tiny
-  // problem with every term, GQA, two groups and per-sequence lengths.
-  Case c = with_launch(tiled_spec());
-  c.spec.pre.static_w = c.spec.post.static_w = true;
-  c.query_lengths = {7, 5};
-  c.key_lengths = {9, 6};
-  check_against_reference<float>(c, 70, 2e-4);
+TEST(CudaGpu, SmallCaseForTheSanitizersFloat) {
+  // scripts/gpu_check.sh runs compute-sanitizer's tools on these: every kernel (forward, both
+  // backward sides, the W and per-head sums, append, decode with split keys and their
+  // combination) on tiny problems with every term, GQA, a cluster and per-sequence lengths.
+  Case c = with_launch(tiled_spec(), dcmha::test::tiles(0, 2));
+  c.query_lengths = {37, 20};
+  c.key_lengths = {45, 30};
+  check_against_reference<float>(c, 70, kFloat);
   ProblemSpec s = tiled_spec();
-  s.T = s.S = 9, s.window = 3;
-  check_decode_steps(s, 71, {{4, 2}, {1, 3}, {4, 4}}, 4, {0, 0, 2, 3});
+  s.T = s.S = 40, s.window = 9;
+  check_decode_steps<float>(s, 71, {{20, 12}, {1, 3}, {19, 25}}, 25, kFloat,
+                            dcmha::test::tiles(0, 0, 3));
+}
+
+TEST(CudaGpu, SmallCaseForTheSanitizersTensorCores) {
+  // The same for bf16 on the tensor cores: MHA in fragments, and DCMHA through the compose.
+  ProblemSpec s = tiled_spec();
+  s.D = s.Dv = 64, s.pre = s.post = SideSpec::none();
+  check_against_reference<dcmha::bf16>(with_launch(s), 72, kBf16);
+  s.pre = s.post = SideSpec::dynamic();
+  check_against_reference<dcmha::bf16>(with_launch(s, dcmha::test::tiles(0, 2)), 73, kBf16);
 }
 
 TEST(CudaGpu, DecodeStepsAreTheForwardRows) {
   // Uneven counts per step; the windowed layer's ring wraps.
   ProblemSpec s = tiled_spec();
-  s.T = s.S = 40, s.D = 16, s.Dv = 16;
-  dcmha::test::DecodeSchedule schedule = {{8, 5}};
-  for (int64_t i = 0, done0 = 8, done1 = 5; done0 < 40 || done1 < 40; ++i) {
-    const int64_t n0 = std::min<int64_t>(1 + i % 3, 40 - done0);
-    const int64_t n1 = std::min<int64_t>(3 - i % 3, 40 - done1);
+  s.T = s.S = 80, s.D = 16, s.Dv = 16;
+  dcmha::test::DecodeSchedule schedule = {{18, 25}};
+  for (int64_t i = 0, done0 = 18, done1 = 25; done0 < 80 || done1 < 80; ++i) {
+    const int64_t n0 = std::min<int64_t>(1 + i % 3, 80 - done0);
+    const int64_t n1 = std::min<int64_t>(3 - i % 3, 80 - done1);
     schedule.push_back({n0, n1});
     done0 += n0, done1 += n1;
   }
-  for (int64_t window : {int64_t(0), int64_t(6)}) {
+  for (int64_t window : {int64_t(0), int64_t(36)}) {
     s.window = window;
-    check_decode_steps(s, uint64_t(60 + window), schedule, 8);
-    check_decode_steps(s, uint64_t(61 + window), schedule, 8, {0, 0, 4, 5});  // 5 key splits
+    check_decode_steps<float>(s, uint64_t(60 + window), schedule, 25, kFloat);
+    check_decode_steps<dcmha::bf16>(s, uint64_t(61 + window), schedule, 25, kBf16,
+                                    dcmha::test::tiles(0, 0, 5));
   }
 }
 
 TEST(CudaGpu, ErrorsNameTheArgumentOrTheCudaCall) {
-  const Case c = with_launch(tiled_spec(), {2048, 0, 0});  // more threads than a block may have
+  // A cluster of 16 blocks is past the portable size the kernels are launched with.
+  ProblemSpec s = tiled_spec();
+  s.H = s.Hk = 16, s.G = 1;
+  const Case c = with_launch(s, dcmha::test::tiles(16, 16));
   const dcmha::reference::Problem p = dcmha::test::problem_of(c, 50);
   TypedProblem<float> tp(p);
   dcmha::cuda::DeviceWorkspace ws;
@@ -303,7 +333,7 @@ TEST(CudaGpu, ErrorsNameTheArgumentOrTheCudaCall) {
     run_on_gpu(c, tp, ws);
     FAIL() << "expected dcmha::Error";
   } catch (const dcmha::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("dcmha::cuda::forward: kernel launch failed: "),
+    EXPECT_NE(std::string(e.what()).find("dcmha::cuda::forward: cudaLaunchKernelEx failed: "),
               std::string::npos)
         << e.what();
   }

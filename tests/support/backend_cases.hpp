@@ -1,5 +1,5 @@
 #pragma once
-// The cases the CUDA backend's tests share (test_cuda_kernels on host threads, test_cuda_gpu on
+// The cases the CUDA backend's tests share (test_cuda_kernels in the emulator, test_cuda_gpu on
 // a device): a problem, per-sequence lengths and the launch's tiles.
 #include <cstdint>
 #include <string>
@@ -17,18 +17,18 @@ struct BackendCase {
   cuda::LaunchOptions launch;                       // 0 fields: planned
 
   std::string str() const {
-    return spec.str() + " threads=" + std::to_string(launch.threads) +
-           " rows=" + std::to_string(launch.rows) + " keys=" + std::to_string(launch.keys) +
+    return spec.str() + " rows=" + std::to_string(launch.rows) +
+           " cluster=" + std::to_string(launch.cluster) +
            " splits=" + std::to_string(launch.key_splits) +
            (query_lengths.empty() ? "" : " lengths");
   }
 };
 
-/// The shapes most cases start from: two groups, GQA, S != T; with tiles of 2 rows x 4 keys a
-/// handful of tokens crosses several tiles and ends in partial ones.
+/// The shapes most cases start from: two groups, GQA, S != T; with 16-row tiles and 32-key steps
+/// a few dozen tokens cross several tiles and end in partial ones.
 inline ProblemSpec tiled_spec() {
   ProblemSpec s;
-  s.B = 2, s.H = 4, s.Hk = 2, s.T = 7, s.S = 9, s.D = 5, s.Dv = 3, s.G = 2, s.Rq = 2, s.Rk = 1;
+  s.B = 2, s.H = 4, s.Hk = 2, s.T = 37, s.S = 45, s.D = 5, s.Dv = 3, s.G = 2, s.Rq = 2, s.Rk = 1;
   s.causal = true;
   return s;
 }
@@ -38,6 +38,15 @@ inline BackendCase with_launch(const ProblemSpec& s, const cuda::LaunchOptions& 
   c.spec = s;
   c.launch = launch;
   return c;
+}
+
+/// Launch options with the tiles given (0: planned).
+inline cuda::LaunchOptions tiles(index_t rows, int cluster = 0, index_t splits = 0) {
+  cuda::LaunchOptions o;
+  o.rows = rows;
+  o.cluster = cluster;
+  o.key_splits = splits;
+  return o;
 }
 
 /// The case's random problem with its lengths.

@@ -133,6 +133,25 @@ inline std::vector<double> random_dout(const reference::Problem& p, uint64_t see
   return Rng(seed ^ 0x9e3779b97f4a7c15ull).normal(p.B * p.H * p.T * p.Dv, 1.0);
 }
 
+/// x rounded to a value of storage type T (bf16, fp16, float).
+template <class T>
+double round_to(double x) {
+  return double(static_cast<float>(T(static_cast<float>(x))));
+}
+
+/// p with every input rounded to a value of T: the reference then sees what a kernel storing T
+/// reads, and what is left of the error is the kernel's own arithmetic.
+template <class T>
+dcmha::reference::Problem storage_problem(dcmha::reference::Problem p) {
+  auto round = [](std::vector<double>& x) {
+    for (double& e : x) e = round_to<T>(e);
+  };
+  for (auto* x : {&p.q, &p.k, &p.v}) round(*x);
+  for (auto* c : {&p.pre, &p.post})
+    for (auto* x : {&c->w, &c->qw1, &c->qw2, &c->kw1, &c->kw2, &c->qdd, &c->kdd}) round(*x);
+  return p;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Canonical (row-major) <-> strided views
 // ---------------------------------------------------------------------------------------------

@@ -79,20 +79,15 @@ inline std::vector<double> with_gradients(std::vector<double> values,
 
 // bf16 storage: float arithmetic on the widened values, results rounded once (config.hpp).
 
-inline double round_to_bf16(double x) {
-  return double(static_cast<float>(dcmha::bf16(static_cast<float>(x))));
-}
+inline double round_to_bf16(double x) { return round_to<dcmha::bf16>(x); }
 
 inline void round_all(std::vector<double>& x) {
   for (double& e : x) e = round_to_bf16(e);
 }
 
 /// p with every input rounded to a bf16 value (float and bf16 storage then hold the same values).
-inline dcmha::reference::Problem bf16_problem(dcmha::reference::Problem p) {
-  for (auto* x : {&p.q, &p.k, &p.v}) round_all(*x);
-  for (auto* c : {&p.pre, &p.post})
-    for (auto* x : {&c->w, &c->qw1, &c->qw2, &c->kw1, &c->kw2, &c->qdd, &c->kdd}) round_all(*x);
-  return p;
+inline dcmha::reference::Problem bf16_problem(const dcmha::reference::Problem& p) {
+  return storage_problem<dcmha::bf16>(p);
 }
 
 /// forward then backward of tp with cfg (tp.config() plus whatever the test changed).

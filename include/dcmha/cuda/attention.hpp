@@ -11,8 +11,8 @@
 // host memory (they are validated, then copied into the workspace). Arguments are validated
 // exactly as on the CPU, before anything is launched, and bad ones throw dcmha::Error; a CUDA
 // failure throws dcmha::Error naming the call and CUDA's message. The calls are asynchronous
-// on `stream` like any kernel launch (cfg.num_threads is ignored). Scalar types: float and bf16
-// storage (float arithmetic, float lse).
+// on `stream` like any kernel launch (cfg.num_threads is ignored). Scalar types: float, bf16 and
+// fp16 storage (float arithmetic, float lse).
 #include <cstring>
 #include <vector>
 
@@ -78,45 +78,79 @@ inline index_t length_elements(const detail::MaskParams& mask) {
 
 }  // namespace detail_cuda
 
+/// The plan's options with the current device's limits (unless the caller set them).
+inline LaunchOptions with_device(const char* fn, LaunchOptions opt) {
+  if (!opt.device_given) opt.device = current_device_limits(fn);
+  return opt;
+}
+
+/// The forward's kernels of one head-dim class on a planned, staged call: one launch, or a split
+/// forward's four. A function of its own per (T, kHeadDim), so that a project can compile each
+/// class in a translation unit of its own (tests/cuda/ does).
+template <class T, int kHeadDim>
+void run_forward_kernels(const char* fn, const detail::ForwardParams<T>& p, const ForwardLaunch& l,
+                         const KeySplit& split, cudaStream_t stream) {
+  if (l.geo.splits == 1) {
+    launch(fn, forward_kernel<T, kHeadDim>, l.blocks, stream, p, l.geo, split);
+    return;
+  }
+  launch(fn, forward_kernel<T, kHeadDim>, l.blocks, stream, p,
+         l.phase(ForwardPhase::split_statistics), split);
+  launch(fn, combine_statistics_kernel<T>, l.per_sequence, stream, p, split);
+  launch(fn, forward_kernel<T, kHeadDim>, l.blocks, stream, p, l.phase(ForwardPhase::split_values),
+         split);
+  launch(fn, sum_splits_kernel<T>, l.per_sequence, stream, p, split);
+}
+
+/// The backward's query-side and key-side kernels of one head-dim class.
+template <class T, int kHeadDim>
+void run_backward_kernels(const char* fn, const detail::BackwardParams<T>& p,
+                          const BackwardLaunch& l, const BackwardScratch& scratch,
+                          cudaStream_t stream) {
+  launch(fn, query_grad_kernel<T, kHeadDim>, l.query_blocks, stream, p, l.query, scratch);
+  launch(fn, key_grad_kernel<T, kHeadDim>, l.key_blocks, stream, p, l.key, scratch);
+}
+
 /// The backend seam (cpu::forward's twin): runs a validated call's ForwardParams, whose views
 /// are device memory except the per-sequence lengths and ring starts (host memory, staged here).
 /// `fn` names the entry point in errors.
 template <class T>
 void launch_forward(const char* fn, detail::ForwardParams<T> p, DeviceWorkspace& ws,
                     cudaStream_t stream, const LaunchOptions& opt) {
-  using A = acc_t<T>;
-  const ForwardLaunch l = forward_launch(fn, p, opt);
+  const ForwardLaunch l = forward_launch(fn, p, with_device(fn, opt));
   const index_t ring = p.keys.capacity ? p.dims.B : 0;
   detail_cuda::CallMemory mem(fn, ws, detail_cuda::length_elements(p.mask) + ring,
-                              l.scratch_elements(p.dims) * sizeof(A), stream);
+                              l.scratch_elements(p.dims) * sizeof(float), stream);
   detail_cuda::stage_lengths(mem, p.mask);
   if (ring) p.keys.start = mem.stage(p.keys.start);
-  const KernelLaunch& b = l.blocks;
-  if (l.splits == 1) {
-    launch(fn, forward_kernel<T>, b, stream, p, b.geo);
-    return;
-  }
-  const KeySplit<A> split = l.carve(static_cast<A*>(mem.scratch()), p.dims);
-  launch(fn, split_statistics_kernel<T>, b, stream, p, b.geo, split);
-  launch(fn, combine_statistics_kernel<T>, l.per_sequence, stream, p, split);
-  launch(fn, split_values_kernel<T>, b, stream, p, b.geo, split);
-  launch(fn, sum_splits_kernel<T>, l.per_sequence, stream, p, split);
+  const KeySplit split = l.carve(static_cast<float*>(mem.scratch()), p.dims);
+  dispatch_head_dim(l.head_dim, [&](auto head_dim) {
+    run_forward_kernels<T, decltype(head_dim)::value>(fn, p, l, split, stream);
+    return 0;
+  });
 }
 
-/// cpu::backward's twin: the query side, the key side, then W's sums, in one stream.
+/// cpu::backward's twin: the query side, the key side, then the sums, in one stream.
 template <class T>
 void launch_backward(const char* fn, detail::BackwardParams<T> p, DeviceWorkspace& ws,
                      cudaStream_t stream, const LaunchOptions& opt) {
-  using A = acc_t<T>;
-  const BackwardLaunch l = backward_launch(fn, p, opt);
+  const BackwardLaunch l = backward_launch(fn, p, with_device(fn, opt));
   const BackwardScratchSizes sizes = backward_scratch_sizes(p.dims, l);
   detail_cuda::CallMemory mem(fn, ws, detail_cuda::length_elements(p.mask),
-                              sizes.total() * sizeof(A), stream);
+                              sizes.total() * sizeof(float), stream);
   detail_cuda::stage_lengths(mem, p.mask);
-  const BackwardScratch<A> scratch = carve_scratch(static_cast<A*>(mem.scratch()), sizes);
-  launch(fn, query_grad_kernel<T>, l.query, stream, p, l.query.geo, scratch);
-  launch(fn, key_grad_kernel<T>, l.key, stream, p, l.key.geo, scratch);
-  launch(fn, static_grad_kernel<T>, l.static_sums, stream, p, l.static_sums.geo, scratch);
+  const BackwardScratch scratch = carve_scratch(static_cast<float*>(mem.scratch()), sizes);
+  if (sizes.static_partials > 0)
+    check(
+        fn, "cudaMemsetAsync",
+        cudaMemsetAsync(scratch.static_partials, 0, sizes.static_partials * sizeof(float), stream));
+  dispatch_head_dim(l.head_dim, [&](auto head_dim) {
+    run_backward_kernels<T, decltype(head_dim)::value>(fn, p, l, scratch, stream);
+    return 0;
+  });
+  if (sizes.static_partials > 0)
+    launch(fn, static_grad_kernel<T>, l.static_sums, stream, p, l.query.rows, scratch);
+  if (l.key.dkv_per_head) launch(fn, head_grad_kernel<T>, l.head_sums, stream, p, scratch);
 }
 
 #define DCMHA_DEFINE_CUDA_ENTRY_POINTS(T)                                                        \
@@ -143,6 +177,7 @@ void launch_backward(const char* fn, detail::BackwardParams<T> p, DeviceWorkspac
 
 DCMHA_DEFINE_CUDA_ENTRY_POINTS(float)
 DCMHA_DEFINE_CUDA_ENTRY_POINTS(bf16)
+DCMHA_DEFINE_CUDA_ENTRY_POINTS(half)
 #undef DCMHA_DEFINE_CUDA_ENTRY_POINTS
 
 }  // namespace dcmha::cuda

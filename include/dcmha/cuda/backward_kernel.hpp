@@ -1,494 +1,705 @@
 #pragma once
-// The backward kernel bodies. Deterministic by construction: every gradient element is
-// accumulated by one thread in a fixed order, and nothing uses atomics.
+// The backward kernel bodies. Deterministic by construction: every gradient element is summed by
+// one thread in a fixed order, nothing uses atomics.
 //
-//   QueryGradKernel  one block per (query tile, group, sequence), two passes over the keys:
-//                    D = rowsum(P * dP) first, then dQ, the query-wise terms' gradients and a
-//                    per-block partial of the static W's; writes D for the key side.
-//   KeyGradKernel    one block per (key tile, sequence), over every group and query tile:
-//                    dK, dV (accumulated in a float workspace, rounded once at the end) and the
-//                    key-wise terms' gradients.
-//   StaticGradKernel one block per (side, group): the partials of W's gradient summed in order.
+//   QueryGradKernel  a cluster per (query tile, group, sequence), two passes over the key tiles:
+//                    the row dots D = rowsum(P dP) first (Compose_post sits between P and O, so
+//                    D is not O . dO as in MHA, and the backward is not given O), then dQ, the
+//                    query-wise terms' gradients and a per-block partial of W's; writes D for
+//                    the key side.
+//   KeyGradKernel    a cluster per (key tile, group, sequence), over the query tiles that see its
+//                    keys: dK, dV and the key-wise terms' gradients.
+//   sum_static_grads, sum_head_grads   W's partials in block order; dK, dV of the query heads of a
+//                    kv head in head order (GQA).
 //
-// Both grad kernels recompute a tile's chain the same way (tile_chain): scores L, Compose_pre,
-// P from lse, dP' = dO V^T, dP = Compose_post^T(dP'), dS' = P (dP - D), dS = Compose_pre^T(dS').
-#include "scores_tile.hpp"
+// MHA on the tensor cores keeps the chain in fragments (FlashAttention-2's backward, split in a
+// query side and a key side); otherwise each key (query) tile goes: the products L = scale Q K^T
+// and dP' = dO V^T into the chain tiles, [cluster barrier], the chain on the block's slice
+// (backward_compose.hpp), [barrier], dQ += dL K (dK += dL^T Q, dV += P'^T dO), the compose weights'
+// gradients.
+#include <cmath>
+
+#include "../common/mask.hpp"
+#include "../common/softmax_state.hpp"
+#include "../params.hpp"
+#include "backward_compose.hpp"
+#include "backward_geometry.hpp"
+#include "score_fragments.hpp"
+#include "staging.hpp"
+#include "warp_product.hpp"
+#include "weight_staging.hpp"
 
 namespace dcmha::cuda {
 
-/// Device scratch of one backward call, in the accumulator type.
-template <class A>
-struct BackwardScratch {
-  A* row_dot = nullptr;          // D (B, H, T)
-  A* dk = nullptr;               // (B, Hk, S, D)
-  A* dv = nullptr;               // (B, Hk, S, Dv)
-  A* static_partials = nullptr;  // [query block][side][M][M]
-};
-
-/// The arrays of one tile's chain in shared memory.
-template <class A>
-struct ChainShared {
-  A *scores, *probabilities, *upstream, *grads;  // [M][rows][keys]
-  LowRankSums<A> sums;                           // [rank][positions] each
-  A *lse, *row_dot;                              // [M][rows]
-  TensorCoreStaging tensor_cores;                // bf16 with geo.tensor_warps: L and dP'
-
-  DCMHA_HOST_DEVICE void carve(SharedArena<A>& arena, const TileGeometry& geo) {
-    scores = arena.take(geo.scores());
-    probabilities = arena.take(geo.scores());
-    upstream = arena.take(geo.scores());
-    grads = arena.take(geo.scores());
-    sums.query_of_input = arena.take(geo.rank * geo.positions());
-    sums.key_of_input = arena.take(geo.rank * geo.positions());
-    sums.query_of_grad = arena.take(geo.rank * geo.positions());
-    sums.key_of_grad = arena.take(geo.rank * geo.positions());
-    lse = arena.take(geo.M * geo.rows);
-    row_dot = arena.take(geo.M * geo.rows);
-    if constexpr (std::is_same_v<A, float>) tensor_cores.carve(arena, geo);
-  }
-};
-
-/// Which compose-weight gradients a kernel accumulates from a tile.
-template <class A>
-struct ComposeGradTargets {
-  bool by_row = true;         // query-wise (true) or key-wise (false) terms
-  LowRankGrads<A> pre, post;  // the low-rank terms' accumulators along that axis
-  A *static_pre = nullptr, *static_post = nullptr;  // [M][M], or null: not this kernel's
-};
-
+/// What both sides share: the block's place, its heads, the mask, staging.
 template <class T, class Block>
-class TileChain {
- public:
-  using A = acc_t<T>;
-
-  DCMHA_HOST_DEVICE TileChain(const Block& blk, const detail::BackwardParams<T>& p,
-                              const TileGeometry& geo, const ChainShared<A>& sh)
-      : blk_(blk), p_(p), geo_(geo), sh_(sh) {}
-
-  /// Scores, P and dP of the tile at `at` (the first pass needs no more); ends synced.
-  DCMHA_HOST_DEVICE void probabilities_and_grads(const TilePlace& at) {
-    composed_score_tile(blk_, p_, geo_, at, sh_.tensor_cores, sh_.scores, sh_.probabilities,
-                        sh_.sums);
-    probabilities_tile(blk_, p_, geo_, at, sh_.lse, sh_.probabilities);
-    output_grad_tile(at);
-    blk_.sync();
-    compose_transpose_tile(blk_, p_.compose.post, geo_, at, sh_.probabilities, sh_.upstream,
-                           sh_.grads, sh_.sums);
-    blk_.sync();
+class BackwardBlock {
+ protected:
+  DCMHA_INLINE BackwardBlock(const Block& blk, const detail::BackwardParams<T>& p,
+                             const BackwardGeometry& geo)
+      : blk_(blk), p_(p), geo_(geo), mask_(p.mask, p.dims.T, p.dims.S) {
+    rank_ = blk.cluster_rank();
+    tile_ = int(blk.block(0) / geo.cluster);
+    g_ = blk.block(1);
+    b_ = blk.block(2);
+    const int w = warp_of(blk);
+    own_ = w / (geo.rows / 16);
+    row0_ = w % (geo.rows / 16) * 16;
+    const index_t heads_per_kv = p.dims.H / p.dims.Hk;
+    head_ = g_ * geo.M + rank_ * geo.own_heads + own_;
+    kv_first_ = (g_ * geo.M + rank_ * geo.own_heads) / heads_per_kv;
+    kv_slot_ = int(head_ / heads_per_kv - kv_first_);
   }
 
-  /// The rest of the chain after probabilities_and_grads: the post side's weight gradients,
-  /// dS', the pre side's transpose and weight gradients. Leaves dS in sh.upstream; ends synced.
-  DCMHA_HOST_DEVICE void score_grads(const TilePlace& at, const ComposeGradTargets<A>& targets) {
-    accumulate_weight_grads(p_.compose.post, targets.post, targets.static_post, sh_.probabilities,
-                            sh_.upstream, targets.by_row);
-    softmax_grad_tile();
-    blk_.sync();
-    compose_transpose_tile(blk_, p_.compose.pre, geo_, at, sh_.scores, sh_.grads, sh_.upstream,
-                           sh_.sums);
-    blk_.sync();
-    accumulate_weight_grads(p_.compose.pre, targets.pre, targets.static_pre, sh_.scores, sh_.grads,
-                            targets.by_row);
-    blk_.sync();
+  DCMHA_INLINE index_t query_length() const { return mask_.query_length(b_); }
+  DCMHA_INLINE index_t key_length() const { return mask_.key_length(b_); }
+  DCMHA_INLINE index_t own_head(int j) const { return g_ * geo_.M + rank_ * geo_.own_heads + j; }
+  DCMHA_INLINE float scale() const { return float(p_.scale); }
+  DCMHA_INLINE int depth_of(int width) const { return (width + 15) / 16 * 16; }
+
+  /// Rows [t0, t0 + rows) of a query-side tensor (Q or dO) of every own head.
+  DCMHA_INLINE void stage_query_rows(const OperandTiles<T>& tiles, const TensorView<const T, 4>& x,
+                                     int width, bool chunked, index_t t0, int rows) {
+    const index_t qlen = query_length();
+    for (int j = 0; j < geo_.own_heads; ++j) {
+      const index_t h = own_head(j);
+      stage_rows(blk_, tiles.head(j), width, chunked, x.data, [&](int r) -> const T* {
+        const index_t t = t0 + r;
+        return r < rows && t < qlen ? &x(b_, h, t, 0) : nullptr;
+      });
+    }
   }
 
- private:
-  /// upstream[m][r][c] = dO_h[t] . v_kv(h)[s] inside the tile, 0 outside.
-  DCMHA_HOST_DEVICE void output_grad_tile(const TilePlace& at) {
-    if constexpr (std::is_same_v<T, bf16>)
-      if (geo_.tensor_warps > 0)
-        return output_grad_tile_on_tensor_cores(blk_, p_, geo_, at, sh_.tensor_cores, sh_.upstream);
-    const index_t P = geo_.positions(), heads_per_kv = p_.dims.H / p_.dims.Hk;
-    for_each_owned(blk_, geo_.scores(), [&](index_t i) {
-      const index_t m = i / P, h = at.rows.g * geo_.M + m, b = at.rows.b;
-      const Position q = position(geo_, at, i % P);
-      A dot = 0;
-      if (q.real)
-        for (index_t e = 0; e < geo_.Dv; ++e)
-          dot += A(p_.dout(b, h, q.t, e)) * A(p_.v(b, h / heads_per_kv, q.slot, e));
-      sh_.upstream[i] = dot;
+  /// Keys [s0, s0 + keys) of K or V of every kv slot.
+  DCMHA_INLINE void stage_key_rows(const OperandTiles<T>& tiles, const TensorView<const T, 4>& x,
+                                   int width, bool chunked, index_t s0, int keys) {
+    const index_t klen = key_length();
+    for (int slot = 0; slot < geo_.kv_slots; ++slot) {
+      const index_t kv = kv_first_ + slot;
+      stage_rows(blk_, tiles.head(slot), width, chunked, x.data, [&](int r) -> const T* {
+        const index_t s = s0 + r;
+        return r < keys && s < klen ? &x(b_, kv, s, 0) : nullptr;
+      });
+    }
+  }
+
+  /// The lse (and D) of every own head at rows [t0, t0 + rows) into shared memory [own][rows];
+  /// rows that are not real get lse -inf.
+  DCMHA_INLINE void load_row_statistics(float* lse, float* row_dot, const float* row_dots,
+                                        index_t t0, int rows, int stride) {
+    const index_t qlen = query_length();
+    for_each_owned(blk_, geo_.own_heads * rows, [&](int i) {
+      const int j = i / rows, r = i % rows;
+      const index_t t = t0 + r, h = own_head(j);
+      const bool real = t < qlen;
+      blk_.store_shared(lse + j * stride + r, real ? blk_.load_global(&p_.lse(b_, h, t))
+                                                   : detail::negative_infinity<float>());
+      if (row_dots)
+        blk_.store_shared(
+            row_dot + j * stride + r,
+            real ? blk_.load_global(row_dots + (b_ * p_.dims.H + h) * p_.dims.T + t) : 0.0f);
     });
   }
 
-  /// grads = P (dP - D): the softmax's backward, in place over dP (P is 0 where a row does not
-  /// see a key, so those positions get 0).
-  DCMHA_HOST_DEVICE void softmax_grad_tile() {
-    const index_t P = geo_.positions();
-    for_each_owned(blk_, geo_.scores(), [&](index_t i) {
-      const index_t m = i / P, r = i % P / geo_.keys;
-      sh_.grads[i] = sh_.probabilities[i] * (sh_.grads[i] - sh_.row_dot[m * geo_.rows + r]);
-    });
+  /// What the chain on the block's region reads and writes.
+  template <int kHeadDim>
+  DCMHA_INLINE ChainContext<T> chain_context(const BackwardTiles<T, kHeadDim>& sh,
+                                             const ComposeRegion& region) const {
+    ChainContext<T> cx;
+    cx.pre = sh.side(0);
+    cx.post = sh.side(1);
+    cx.tiles = sh.chain();
+    cx.dscores = sh.dscores();
+    cx.values_probs = sh.values_probs();
+    cx.lse = sh.lse();
+    cx.row_dot = sh.row_dot();
+    cx.own_heads = geo_.own_heads;
+    cx.statistics_rows = geo_.tile_rows();
+    cx.sums = sh.sums();
+    cx.region = region;
+    cx.query_axis = !geo_.key_side;
+    cx.with_values_probs = geo_.key_side;
+    return cx;
   }
 
-  DCMHA_HOST_DEVICE void accumulate_weight_grads(const ComposeTerms<T>& side,
-                                                 const LowRankGrads<A>& lowrank, A* static_w,
-                                                 const A* x, const A* dy, bool by_row) {
-    if (by_row && side.query_wise)
-      accumulate_lowrank_grads(blk_, geo_, true, query_rank(side), x, dy, sh_.sums.query_of_input,
-                               sh_.sums.query_of_grad, lowrank);
-    if (!by_row && side.key_wise)
-      accumulate_lowrank_grads(blk_, geo_, false, key_rank(side), x, dy, sh_.sums.key_of_input,
-                               sh_.sums.key_of_grad, lowrank);
-    if (static_w && side.static_w) accumulate_static_grads(blk_, geo_, x, dy, static_w);
+  /// The compose weights' gradients along the kernel's axis are summed per pair (resident line,
+  /// own head): line a row (query side) or a key (key side) of the block. Thread i holds pair i;
+  /// its sums live in shared memory, [pair][side][w1 r, w2 r, dd], between tiles.
+  template <int kHeadDim>
+  DCMHA_INLINE float* weight_grads(const BackwardTiles<T, kHeadDim>& sh, int pair, int side) const {
+    return at_offset<float>(sh.base, geo_.layout.grads) +
+           (index_t(pair) * 2 + side) * (2 * kMaxRank + 1);
+  }
+  DCMHA_INLINE int pairs() const { return geo_.registers ? 0 : geo_.rows * geo_.own_heads; }
+
+  /// Zeroes this thread's own pair (its own sums: no barrier needed before it adds to them).
+  template <int kHeadDim>
+  DCMHA_INLINE void zero_weight_grads(const BackwardTiles<T, kHeadDim>& sh) const {
+    const int pair = blk_.thread();
+    if (pair >= pairs()) return;
+    for (int i = 0; i < 2 * (2 * kMaxRank + 1); ++i)
+      blk_.store_shared(weight_grads(sh, pair, 0) + i, 0.0f);
+  }
+
+  /// Adds the tile's terms to this thread's pair: x and dy from the own head's chain tiles, the
+  /// projections from the block that composed the line, summed over the tile's other axis.
+  template <int kHeadDim>
+  DCMHA_INLINE void accumulate_weight_grads(const BackwardTiles<T, kHeadDim>& sh) const {
+    const int pair = blk_.thread();
+    if (pair >= pairs()) return;
+    const bool query_axis = !geo_.key_side;
+    const int line = pair % geo_.rows, j = pair / geo_.rows, composer = line / geo_.slice;
+    const int local = line - composer * geo_.slice, others = geo_.key_side ? kStreamRows : kKeys;
+    const ChainSums sums = sh.sums();
+    const ChainTiles chain = sh.chain();
+    DCMHA_UNROLL
+    for (int side = 0; side < 2; ++side) {
+      const detail::ComposeTermSet& t = side == 0 ? geo_.terms.pre : geo_.terms.post;
+      if (!(query_axis ? t.query_wise : t.key_wise)) continue;
+      const int R = int(query_axis ? t.query_rank : t.key_rank);
+      const ScoreTile x = (side == 0 ? chain.scores : chain.probs).head(j);
+      const ScoreTile dy = (side == 0 ? chain.softmax_grad : chain.upstream).head(j);
+      float* acc = weight_grads(sh, pair, side);
+      float w1[kMaxRank], w2[kMaxRank], dd = blk_.load_shared(acc + 2 * kMaxRank);
+      DCMHA_UNROLL
+      for (int k = 0; k < kMaxRank; ++k)
+        w1[k] = blk_.load_shared(acc + k), w2[k] = blk_.load_shared(acc + kMaxRank + k);
+      for (int o = 0; o < others; ++o) {
+        const int row = query_axis ? line : o, key = query_axis ? o : line;
+        const int sum_row = query_axis ? local : o, sum_key = query_axis ? o : local;
+        const float xv = blk_.load_shared(x.at(row, key)), dyv = blk_.load_shared(dy.at(row, key));
+        dd += xv * dyv;
+        DCMHA_UNROLL
+        for (int k = 0; k < kMaxRank; ++k) {
+          if (k >= R) continue;
+          w1[k] += xv * blk_.load_shared(
+                            blk_.peer_shared(sums.at(side, 1, k, sum_row, sum_key), composer));
+          w2[k] += dyv * blk_.load_shared(
+                             blk_.peer_shared(sums.at(side, 0, k, sum_row, sum_key), composer));
+        }
+      }
+      blk_.count_fma(index_t(others) * (1 + 2 * R));
+      DCMHA_UNROLL
+      for (int k = 0; k < kMaxRank; ++k)
+        blk_.store_shared(acc + k, w1[k]), blk_.store_shared(acc + kMaxRank + k, w2[k]);
+      blk_.store_shared(acc + 2 * kMaxRank, dd);
+    }
+  }
+
+  /// The pairs' sums to the caller: lines [first, first + real) of the block, past `length`
+  /// padding (zeros).
+  template <int kHeadDim>
+  DCMHA_INLINE void store_weight_grads(const BackwardTiles<T, kHeadDim>& sh, index_t first,
+                                       int real, index_t length) const {
+    const int pair = blk_.thread();
+    if (pair >= pairs()) return;
+    const bool query_axis = !geo_.key_side;
+    const int line = pair % geo_.rows, j = pair / geo_.rows;
+    if (line >= real) return;
+    const index_t at = first + line, m = rank_ * geo_.own_heads + j;
+    const bool is_real = at < length;
+    DCMHA_UNROLL
+    for (int side = 0; side < 2; ++side) {
+      const detail::ComposeTermSet& t = side == 0 ? geo_.terms.pre : geo_.terms.post;
+      if (!(query_axis ? t.query_wise : t.key_wise)) continue;
+      const ComposeTermGrads<T>& d = side == 0 ? p_.dcompose.pre : p_.dcompose.post;
+      const TensorView<T, 5>& w1 = query_axis ? d.qw1 : d.kw1;
+      const TensorView<T, 5>& w2 = query_axis ? d.qw2 : d.kw2;
+      const TensorView<T, 4>& dd = query_axis ? d.qdd : d.kdd;
+      const float* acc = weight_grads(sh, pair, side);
+      auto value = [&](int i) { return T(is_real ? blk_.load_shared(acc + i) : 0.0f); };
+      for (int k = 0; k < int(query_axis ? t.query_rank : t.key_rank); ++k) {
+        blk_.store_global(&w1(b_, at, g_, k, m), value(k));
+        blk_.store_global(&w2(b_, at, g_, k, m), value(kMaxRank + k));
+      }
+      blk_.store_global(&dd(b_, at, g_, m), value(2 * kMaxRank));
+    }
+  }
+
+  DCMHA_INLINE void run_chain(const ChainContext<T>& cx, index_t t0, index_t s0) {
+    for (int round = 0; round < compose_rounds(blk_, cx.region, geo_.compose_parts); ++round) {
+      const ComposeItem it = compose_item(blk_, cx.region, geo_.M, geo_.compose_parts, round);
+      detail::KeyRange ranges[kComposeRows];
+      DCMHA_UNROLL
+      for (int i = 0; i < kComposeRows; ++i) {
+        const index_t t = t0 + it.row0 + i;
+        ranges[i] = i < it.rows && t < p_.dims.T ? mask_.row(b_, t) : detail::KeyRange{0, 0};
+      }
+      chain_item(blk_, cx, it, ranges, s0 + it.key, geo_.compose_parts);
+    }
   }
 
   const Block& blk_;
   const detail::BackwardParams<T>& p_;
-  TileGeometry geo_;
-  ChainShared<A> sh_;
+  const BackwardGeometry& geo_;
+  detail::RowMask mask_;
+  int rank_ = 0, tile_ = 0, own_ = 0, row0_ = 0, kv_slot_ = 0;
+  index_t g_ = 0, b_ = 0, head_ = 0, kv_first_ = 0;
 };
 
-/// The rows' lse (and D) of a query tile into shared memory.
-template <class Block, class T, class A>
-DCMHA_HOST_DEVICE void load_row_statistics(const Block& blk, const detail::BackwardParams<T>& p,
-                                           const TileGeometry& geo, const QueryTile& rows,
-                                           const A* row_dot, ChainShared<A>& sh) {
-  for_each_owned(blk, geo.M * geo.rows, [&](index_t item) {
-    const index_t m = item / geo.rows, r = item % geo.rows, h = rows.g * geo.M + m;
-    const bool real = r < rows.rows && rows.t0 + r < rows.query_length;
-    const index_t at = (rows.b * p.dims.H + h) * p.dims.T + rows.t0 + r;
-    sh.lse[item] = real ? A(p.lse(rows.b, h, rows.t0 + r)) : negative_infinity<A>();
-    if (row_dot) sh.row_dot[item] = real ? row_dot[at] : A(0);
-  });
-}
+template <class T, int kHeadDim, class Block>
+class QueryGradKernel : BackwardBlock<T, Block> {
+  using Base = BackwardBlock<T, Block>;
+  using Base::blk_, Base::p_, Base::geo_, Base::mask_, Base::rank_, Base::own_, Base::row0_,
+      Base::kv_slot_, Base::g_, Base::b_, Base::head_;
 
-/// The query side's shared memory: dQ, D, the query-wise gradients, the static ones' partials.
-template <class A>
-struct QueryGradShared {
-  using value_type = A;
-  ChainShared<A> chain;
-  A* dq;                        // [M][rows][D]
-  LowRankGrads<A> pre, post;    // query-wise, along rows
-  A *static_pre, *static_post;  // [M][M]
-
-  DCMHA_HOST_DEVICE void carve(SharedArena<A>& arena, const TileGeometry& geo) {
-    chain.carve(arena, geo);
-    dq = arena.take(geo.M * geo.rows * geo.D);
-    pre = take_lowrank_grads(arena, geo.rows, geo);
-    post = take_lowrank_grads(arena, geo.rows, geo);
-    static_pre = arena.take(geo.M * geo.M);
-    static_post = arena.take(geo.M * geo.M);
-  }
-};
-
-template <class T, class Block>
-class QueryGradKernel {
  public:
-  using A = acc_t<T>;
+  static constexpr int kKeyTiles = kKeys / 8, kDimTiles = kHeadDim / 8;
 
-  DCMHA_HOST_DEVICE QueryGradKernel(const Block& blk, const detail::BackwardParams<T>& p,
-                                    const TileGeometry& geo, const BackwardScratch<A>& scratch)
-      : blk_(blk),
-        p_(p),
-        geo_(geo),
-        scratch_(scratch),
-        sh_(carve_shared<QueryGradShared<A>>(blk.shared(), geo)),
-        chain_(blk, p, geo, sh_.chain) {
-    at_.rows = query_tile(p, geo, blk.block(0), blk.block(1), blk.block(2));
+  DCMHA_INLINE QueryGradKernel(const Block& blk, const detail::BackwardParams<T>& p,
+                               const BackwardGeometry& geo, const BackwardScratch& scratch)
+      : Base(blk, p, geo), scratch_(scratch) {
+    t0_ = index_t(this->tile_) * geo.rows;
+    rows_real_ = p.dims.T - t0_ < geo.rows ? int(p.dims.T - t0_) : geo.rows;
+    slice_begin_ = rank_ * geo.slice;
   }
 
-  DCMHA_HOST_DEVICE void run() {
+  DCMHA_INLINE void run() {
     start();
-    const KeyRange keys = tile_keys(p_.mask, at_.rows);
-    for (index_t s0 = keys.begin; s0 < keys.end; s0 += geo_.keys) {
-      step_to(s0, keys.end);
-      chain_.probabilities_and_grads(at_);
-      accumulate_row_dot();
-      blk_.sync();
+    const detail::KeyRange keys = mask_.rows(b_, t0_, t0_ + rows_real_);
+    int stage = 0;
+    for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
+      key_tile(s0, keys, stage);
+      row_dots_step(s0, stage, keys);
     }
-    ComposeGradTargets<A> targets;
-    targets.pre = sh_.pre;
-    targets.post = sh_.post;
-    targets.static_pre = sh_.static_pre;
-    targets.static_post = sh_.static_post;
-    for (index_t s0 = keys.begin; s0 < keys.end; s0 += geo_.keys) {
-      step_to(s0, keys.end);
-      chain_.probabilities_and_grads(at_);
-      chain_.score_grads(at_, targets);
-      accumulate_query_grad();
-      blk_.sync();
+    finish_row_dots();
+    stage = 0;
+    for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
+      key_tile(s0, keys, stage);
+      gradients_step(s0, stage, keys);
     }
     store();
+    blk_.sync_cluster();  // peers read this block's shared memory until their last chain
   }
 
  private:
-  DCMHA_HOST_DEVICE void start() {
-    load_row_statistics(blk_, p_, geo_, at_.rows, static_cast<const A*>(nullptr), sh_.chain);
-    fill(blk_, sh_.chain.row_dot, geo_.M * geo_.rows, A(0));
-    fill(blk_, sh_.dq, geo_.M * geo_.rows * geo_.D, A(0));
-    zero_lowrank_grads(blk_, sh_.pre, geo_.rows, geo_);
-    zero_lowrank_grads(blk_, sh_.post, geo_.rows, geo_);
-    fill(blk_, sh_.static_pre, geo_.M * geo_.M, A(0));
-    fill(blk_, sh_.static_post, geo_.M * geo_.M, A(0));
-    blk_.sync();
-  }
+  using Scores = Accumulators<kKeyTiles>;
 
-  DCMHA_HOST_DEVICE void step_to(index_t s0, index_t end) {
-    at_.keys.s0 = s0;
-    at_.keys.count = end - s0 < geo_.keys ? end - s0 : geo_.keys;
-  }
-
-  /// D[m][r] += sum_c P dP: item (m, r) is one thread's in every step.
-  DCMHA_HOST_DEVICE void accumulate_row_dot() {
-    for_each_owned(blk_, geo_.M * geo_.rows, [&](index_t item) {
-      const index_t m = item / geo_.rows, r = item % geo_.rows;
-      const index_t at = m * geo_.positions() + r * geo_.keys;
-      A sum = 0;
-      for (index_t c = 0; c < at_.keys.count; ++c)
-        sum += sh_.chain.probabilities[at + c] * sh_.chain.grads[at + c];
-      sh_.chain.row_dot[item] += sum;
-    });
-  }
-
-  /// dq[m][r][d] += sum_c dS[m][r][c] k[s][d] (dS in the chain's upstream array).
-  DCMHA_HOST_DEVICE void accumulate_query_grad() {
-    const index_t heads_per_kv = p_.dims.H / p_.dims.Hk, b = at_.rows.b;
-    for_each_owned(blk_, geo_.M * geo_.rows * geo_.D, [&](index_t item) {
-      const index_t m = item / (geo_.rows * geo_.D), r = item / geo_.D % geo_.rows;
-      const index_t d = item % geo_.D, kv = (at_.rows.g * geo_.M + m) / heads_per_kv;
-      const A* row = sh_.chain.upstream + m * geo_.positions() + r * geo_.keys;
-      A sum = 0;
-      for (index_t c = 0; c < at_.keys.count; ++c)
-        sum += row[c] * A(p_.k(b, kv, at_.keys.s0 + c, d));
-      sh_.dq[item] += sum;
-    });
-  }
-
-  DCMHA_HOST_DEVICE void store() {
-    const QueryTile& q = at_.rows;
-    for_each_owned(blk_, geo_.M * q.rows * geo_.D, [&](index_t item) {
-      const index_t m = item / (q.rows * geo_.D), r = item / geo_.D % q.rows, d = item % geo_.D;
-      p_.dq(q.b, q.g * geo_.M + m, q.t0 + r, d) =
-          T(A(p_.scale) * sh_.dq[(m * geo_.rows + r) * geo_.D + d]);
-    });
-    for_each_owned(blk_, geo_.M * q.rows, [&](index_t item) {
-      const index_t m = item / q.rows, r = item % q.rows;
-      scratch_.row_dot[(q.b * p_.dims.H + q.g * geo_.M + m) * p_.dims.T + q.t0 + r] =
-          sh_.chain.row_dot[m * geo_.rows + r];
-    });
-    store_query_grads(p_.compose.pre, p_.dcompose.pre, sh_.pre);
-    store_query_grads(p_.compose.post, p_.dcompose.post, sh_.post);
-    const index_t tiles = (p_.dims.T + geo_.rows - 1) / geo_.rows;
-    const index_t block = (q.b * p_.dims.G + q.g) * tiles + blk_.block(0);
-    A* partial = scratch_.static_partials + block * 2 * geo_.M * geo_.M;
-    for_each_owned(blk_, geo_.M * geo_.M, [&](index_t item) {
-      partial[item] = sh_.static_pre[item];
-      partial[geo_.M * geo_.M + item] = sh_.static_post[item];
-    });
-  }
-
-  DCMHA_HOST_DEVICE void store_query_grads(const ComposeTerms<T>& side,
-                                           const ComposeTermGrads<T>& grads,
-                                           const LowRankGrads<A>& acc) {
-    if (!side.query_wise) return;
-    const QueryTile& q = at_.rows;
-    const index_t R = query_rank(side), M = geo_.M;
-    for_each_owned(blk_, q.rows * R * M, [&](index_t item) {
-      const index_t r = item / (R * M), k = item / M % R, m = item % M;
-      const index_t at = (r * geo_.rank + k) * M + m;
-      grads.qw1(q.b, q.t0 + r, q.g, k, m) = T(acc.w1[at]);
-      grads.qw2(q.b, q.t0 + r, q.g, k, m) = T(acc.w2[at]);
-    });
-    for_each_owned(blk_, q.rows * M, [&](index_t item) {
-      grads.qdd(q.b, q.t0 + item / M, q.g, item % M) = T(acc.dd[item]);
-    });
-  }
-
-  const Block& blk_;
-  const detail::BackwardParams<T>& p_;
-  TileGeometry geo_;
-  BackwardScratch<A> scratch_;
-  QueryGradShared<A> sh_;
-  TileChain<T, Block> chain_;
-  TilePlace at_;
-};
-
-/// The key side's shared memory: the chain and the key-wise gradients of one group.
-template <class A>
-struct KeyGradShared {
-  using value_type = A;
-  ChainShared<A> chain;
-  LowRankGrads<A> pre, post;  // key-wise, along keys
-
-  DCMHA_HOST_DEVICE void carve(SharedArena<A>& arena, const TileGeometry& geo) {
-    chain.carve(arena, geo);
-    pre = take_lowrank_grads(arena, geo.keys, geo);
-    post = take_lowrank_grads(arena, geo.keys, geo);
-  }
-};
-
-template <class T, class Block>
-class KeyGradKernel {
- public:
-  using A = acc_t<T>;
-
-  DCMHA_HOST_DEVICE KeyGradKernel(const Block& blk, const detail::BackwardParams<T>& p,
-                                  const TileGeometry& geo, const BackwardScratch<A>& scratch)
-      : blk_(blk),
-        p_(p),
-        geo_(geo),
-        scratch_(scratch),
-        sh_(carve_shared<KeyGradShared<A>>(blk.shared(), geo)),
-        chain_(blk, p, geo, sh_.chain) {
-    b_ = blk.block(1);
-    at_.keys.s0 = blk.block(0) * geo.keys;
-    at_.keys.count = p.dims.S - at_.keys.s0 < geo.keys ? p.dims.S - at_.keys.s0 : geo.keys;
-  }
-
-  DCMHA_HOST_DEVICE void run() {
-    for_each_owned(blk_, kv_items(geo_.D), [&](index_t item) {
-      if (key_of(item, geo_.D) < at_.keys.count) dk_at(item) = 0;
-    });
-    for_each_owned(blk_, kv_items(geo_.Dv), [&](index_t item) {
-      if (key_of(item, geo_.Dv) < at_.keys.count) dv_at(item) = 0;
-    });
-    ComposeGradTargets<A> targets;
-    targets.by_row = false;
-    targets.pre = sh_.pre;
-    targets.post = sh_.post;
-    const index_t tiles = (p_.dims.T + geo_.rows - 1) / geo_.rows;
-    for (index_t g = 0; g < p_.dims.G; ++g) {
-      zero_lowrank_grads(blk_, sh_.pre, geo_.keys, geo_);
-      zero_lowrank_grads(blk_, sh_.post, geo_.keys, geo_);
-      blk_.sync();  // the stores below map items to threads differently
-      for (index_t tile = 0; tile < tiles; ++tile) {
-        at_.rows = query_tile(p_, geo_, tile, g, b_);
-        const KeyRange keys = tile_keys(p_.mask, at_.rows);
-        if (keys.end <= at_.keys.s0 || keys.begin >= at_.keys.s0 + at_.keys.count) continue;
-        load_row_statistics(blk_, p_, geo_, at_.rows, static_cast<const A*>(scratch_.row_dot),
-                            sh_.chain);
-        blk_.sync();
-        chain_.probabilities_and_grads(at_);
-        chain_.score_grads(at_, targets);
-        accumulate_key_grad();
-        compose_tile(blk_, p_.compose.post, geo_, at_, sh_.chain.probabilities, sh_.chain.grads,
-                     sh_.chain.sums);
-        blk_.sync();
-        accumulate_value_grad(sh_.chain.grads);
-        blk_.sync();
-      }
-      store_key_grads(g, p_.compose.pre, p_.dcompose.pre, sh_.pre);
-      store_key_grads(g, p_.compose.post, p_.dcompose.post, sh_.post);
-      blk_.sync();
+  DCMHA_INLINE void start() {
+    this->stage_query_rows(sh().q(0), p_.q, geo_.D, geo_.chunked_q, t0_, rows_real_);
+    this->stage_query_rows(sh().dout(0), p_.dout, geo_.Dv, geo_.chunked_dout, t0_, rows_real_);
+    blk_.cp_async_commit();
+    this->load_row_statistics(sh().lse(), sh().row_dot(), nullptr, t0_, geo_.rows, geo_.rows);
+    const index_t real_end = std::min<index_t>(this->query_length(), t0_ + rows_real_);
+    DCMHA_UNROLL
+    for (int s = 0; s < 2; ++s) {
+      const ComposeTerms<T>& c = s == 0 ? p_.compose.pre : p_.compose.post;
+      if (sh().side(s).terms.query_wise)
+        stage_query_weights(blk_, sh().side(s), c, b_, g_, t0_ + slice_begin_, geo_.slice,
+                            real_end);
+      stage_static_weights(blk_, sh().side(s), c, g_);
     }
-    store_key_value_grads();
+    rows_ = FragmentRows(blk_, mask_, b_, t0_ + row0_, rows_real_ - row0_);
+    row_dot_[0] = row_dot_[1] = 0;
+    dq_.zero();
+    this->zero_weight_grads(sh());
+  }
+
+  /// The key tiles as a loop (for s0 = first_key_tile(keys); ...; key_tile(s0, ...)): each
+  /// tile's K and V rows landed in `stage` and visible, the next tile's landing in the other.
+  DCMHA_INLINE index_t first_key_tile(const detail::KeyRange& keys) {
+    if (keys.empty()) return keys.end;
+    this->stage_key_rows(sh().k(0), p_.k, geo_.D, geo_.chunked_k, keys.begin, kKeys);
+    this->stage_key_rows(sh().v(0), p_.v, geo_.Dv, geo_.chunked_v, keys.begin, kKeys);
+    blk_.cp_async_commit();
+    next_ = keys.end;
+    return keys.begin;
+  }
+  /// The tile's K and V rows landed and visible; the next tile's K landing in the other stage.
+  DCMHA_INLINE void key_tile(index_t s0, const detail::KeyRange& keys, int stage) {
+    blk_.template cp_async_wait<0>();
+    blk_.sync();
+    next_ = s0 + kKeys < keys.end ? s0 + kKeys : keys.end;
+    if (next_ < keys.end)
+      this->stage_key_rows(sh().k(stage ^ 1), p_.k, geo_.D, geo_.chunked_k, next_, kKeys);
+    blk_.cp_async_commit();
+  }
+  /// The next tile's V rows, once every warp is done with this tile's (after a barrier).
+  DCMHA_INLINE void prefetch_values(const detail::KeyRange& keys) {
+    if (next_ < keys.end)
+      this->stage_key_rows(sh().v(0), p_.v, geo_.Dv, geo_.chunked_v, next_, kKeys);
+    blk_.cp_async_commit();
+  }
+  /// The warp's scores (scaled) and dP' = dO V^T of the key tile.
+  DCMHA_INLINE void products(int stage, Scores& s, Scores& dp) const {
+    s.zero();
+    dp.zero();
+    product_rows_rows(blk_, sh().q(0).head(own_), row0_, sh().k(stage).head(kv_slot_), 0,
+                      this->depth_of(geo_.D), s);
+    product_rows_rows(blk_, sh().dout(0).head(own_), row0_, sh().v(0).head(kv_slot_), 0,
+                      this->depth_of(geo_.Dv), dp);
+    DCMHA_UNROLL
+    for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
+    for (int i = 0; i < 4; ++i) s.c[j][i] *= this->scale();
+  }
+
+  /// MHA in fragments: P = exp(S - lse), 0 where masked.
+  DCMHA_INLINE void probabilities(index_t s0, Scores& s) const {
+    using std::exp;
+    const FragmentPlace f(blk_);
+    mask_fragments(blk_, rows_, s0, s, detail::negative_infinity<float>());
+    DCMHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const float l = blk_.load_shared(sh().lse() + own_ * geo_.rows + row0_ + f.row(2 * h));
+      DCMHA_UNROLL
+      for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
+      for (int i = 2 * h; i < 2 * h + 2; ++i)
+        s.c[j][i] = l > detail::negative_infinity<float>() ? exp(s.c[j][i] - l) : 0.0f;
+    }
+    blk_.count_exp(kKeyTiles * 4);
+  }
+
+  /// The products into the chain tiles, the key-wise weights, the chain on the block's slice.
+  DCMHA_INLINE void chain_step(index_t s0, int stage, const detail::KeyRange& keys,
+                               bool row_dots_only) {
+    Scores s, dp;
+    products(stage, s, dp);
+    store_fragments(blk_, s, sh().chain().scores.head(own_), row0_, 0, 1.0f);
+    store_fragments(blk_, dp, sh().chain().upstream.head(own_), row0_, 0, 1.0f);
+    DCMHA_UNROLL
+    for (int side = 0; side < 2; ++side)
+      if (sh().side(side).terms.key_wise)
+        stage_key_weights(blk_, sh().side(side), side == 0 ? p_.compose.pre : p_.compose.post, b_,
+                          g_, s0, kKeys, this->key_length(), detail::KeyRing{});
+    blk_.sync_cluster();
+    prefetch_values(keys);
+    ChainContext<T> cx =
+        this->chain_context(sh(), {slice_begin_, geo_.slice, 0, kKeys, slice_begin_});
+    cx.row_dots_only = row_dots_only;
+    this->run_chain(cx, t0_, s0);
+    blk_.sync_cluster();
+  }
+
+  /// Pass 1: D = sum over keys of P dP per row.
+  DCMHA_INLINE void row_dots_step(index_t s0, int stage, const detail::KeyRange& keys) {
+    Scores s;
+    if (geo_.registers) {
+      Scores dp;
+      products(stage, s, dp);
+      blk_.sync();
+      prefetch_values(keys);
+      probabilities(s0, s);
+      DCMHA_UNROLL
+      for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
+      for (int i = 0; i < 4; ++i) s.c[j][i] *= dp.c[j][i];
+    } else {
+      chain_step(s0, stage, keys, true);
+      load_fragments(blk_, sh().chain().softmax_grad.head(own_), row0_, 0, s);
+    }
+    DCMHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      float sum = 0;
+      DCMHA_UNROLL
+      for (int j = 0; j < kKeyTiles; ++j) sum += s.c[j][2 * h] + s.c[j][2 * h + 1];
+      row_dot_[h] += quad_sum(blk_, sum);
+    }
+  }
+
+  /// The rows' D into shared memory (the chain reads every head's, after the cluster barrier that
+  /// starts each key tile's chain) and the scratch (the key side).
+  DCMHA_INLINE void finish_row_dots() {
+    const FragmentPlace f(blk_);
+    DCMHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0_ + f.row(2 * h);
+      if (f.t != 0) continue;
+      blk_.store_shared(sh().row_dot() + own_ * geo_.rows + r, row_dot_[h]);
+      if (r < rows_real_)
+        blk_.store_global(scratch_.row_dot + (b_ * p_.dims.H + head_) * p_.dims.T + t0_ + r,
+                          row_dot_[h]);
+    }
+  }
+
+  /// Pass 2: dS (dL) and dQ += dS K; the compose weights' gradients.
+  DCMHA_INLINE void gradients_step(index_t s0, int stage, const detail::KeyRange& keys) {
+    if (geo_.registers) {
+      if constexpr (kTensorCoreType<T>) {
+        Scores s, dp;
+        products(stage, s, dp);
+        blk_.sync();
+        prefetch_values(keys);
+        probabilities(s0, s);
+        const FragmentPlace f(blk_);
+        DCMHA_UNROLL
+        for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
+        for (int i = 0; i < 4; ++i) s.c[j][i] *= dp.c[j][i] - row_dot_[i / 2];
+        product_fragments_cols(blk_, s, sh().k(stage).head(kv_slot_), 0, dq_);
+      }
+      return;
+    }
+    chain_step(s0, stage, keys, false);
+    product_rows_cols(blk_, sh().dscores().head(own_), row0_, sh().k(stage).head(kv_slot_), 0, 0,
+                      kKeys, dq_);
+    this->accumulate_weight_grads(sh());
+    if (!geo_.terms.pre.static_w && !geo_.terms.post.static_w) return;
+    accumulate_static_grads();
+    // The static sums read the peers' tiles, which their next key tile overwrites.
+    blk_.sync_cluster();
+  }
+
+  /// This block's partial of W's gradient: sum over the tile of x_m dy_n for every head m of the
+  /// group and own head n, in the scratch (one thread per element, tile after tile).
+  DCMHA_INLINE void accumulate_static_grads() {
+    const int M = geo_.M, own = geo_.own_heads;
+    DCMHA_UNROLL
+    for (int side = 0; side < 2; ++side) {
+      if (!sh().side(side).terms.static_w) continue;
+      const GroupTiles x = {side == 0 ? sh().chain().scores : sh().chain().probs, own};
+      const ScoreTiles dy = side == 0 ? sh().chain().softmax_grad : sh().chain().upstream;
+      float* partial = static_partial(side);
+      for_each_owned(blk_, M * own, [&](int i) {
+        const int m = i / own, j = i % own;
+        const ScoreTile xm = x.head(blk_, m), dyn = dy.head(j);
+        float sum = 0;
+        for (int r = 0; r < geo_.rows; ++r)
+          for (int c = 0; c < kKeys; ++c)
+            sum += blk_.load_shared(xm.at(r, c)) * blk_.load_shared(dyn.at(r, c));
+        float* at = partial + index_t(m) * M + rank_ * own + j;
+        blk_.store_global(at, blk_.load_global(at) + sum);
+        blk_.count_fma(index_t(geo_.rows) * kKeys);
+      });
+    }
+  }
+
+  DCMHA_INLINE float* static_partial(int side) const {
+    const index_t tiles = (p_.dims.T + geo_.rows - 1) / geo_.rows;
+    const index_t block = (b_ * p_.dims.G + g_) * tiles + this->tile_;
+    return scratch_.static_partials + (block * 2 + side) * geo_.M * geo_.M;
+  }
+
+  DCMHA_INLINE void store() {
+    const FragmentPlace f(blk_);
+    const index_t qlen = this->query_length();
+    DCMHA_UNROLL
+    for (int j = 0; j < kDimTiles; ++j) DCMHA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int r = row0_ + f.row(i), d = 8 * j + f.column(i);
+      if (r >= rows_real_ || d >= geo_.D) continue;
+      const float x = t0_ + r < qlen ? this->scale() * dq_.c[j][i] : 0.0f;
+      blk_.store_global(&p_.dq(b_, head_, t0_ + r, d), T(x));
+    }
+    this->store_weight_grads(sh(), t0_, rows_real_, this->query_length());
+  }
+
+  BackwardScratch scratch_;
+  DCMHA_INLINE BackwardTiles<T, kHeadDim> sh() const { return {geo_, blk_.shared()}; }
+  index_t t0_ = 0;
+  int rows_real_ = 0, slice_begin_ = 0;
+  FragmentRows rows_;
+  index_t next_ = 0;  // the next key tile's first key
+  float row_dot_[2] = {0, 0};
+  Accumulators<kDimTiles> dq_;
+};
+
+template <class T, int kHeadDim, class Block>
+class KeyGradKernel : BackwardBlock<T, Block> {
+  using Base = BackwardBlock<T, Block>;
+  using Base::blk_, Base::p_, Base::geo_, Base::mask_, Base::rank_, Base::own_, Base::row0_,
+      Base::kv_slot_, Base::g_, Base::b_, Base::head_;
+
+ public:
+  static constexpr int kRowTiles = kStreamRows / 8, kDimTiles = kHeadDim / 8;
+
+  DCMHA_INLINE KeyGradKernel(const Block& blk, const detail::BackwardParams<T>& p,
+                             const BackwardGeometry& geo, const BackwardScratch& scratch)
+      : Base(blk, p, geo), scratch_(scratch) {
+    s0_ = index_t(this->tile_) * geo.rows;
+    keys_real_ = p.dims.S - s0_ < geo.rows ? int(p.dims.S - s0_) : geo.rows;
+    slice_begin_ = rank_ * geo.slice;
+  }
+
+  DCMHA_INLINE void run() {
+    start();
+    const index_t tiles = (p_.dims.T + kStreamRows - 1) / kStreamRows;
+    int stage = 0;
+    index_t next = next_tile(0, tiles);
+    if (next < tiles) stage_tile(next, 0);
+    for (index_t tile = next; tile < tiles; tile = next, stage ^= 1) {
+      next = next_tile(tile + 1, tiles);
+      blk_.template cp_async_wait<0>();
+      blk_.sync();
+      if (next < tiles) stage_tile(next, stage ^ 1);
+      rows_step(tile * kStreamRows, stage);
+    }
+    store();
+    blk_.sync_cluster();
   }
 
  private:
-  /// Items (kv head, key, column) over every kv head, so that each scratch element of the block
-  /// is one thread's for the whole call, whichever group is at work.
-  DCMHA_HOST_DEVICE index_t kv_items(index_t columns) const {
-    return p_.dims.Hk * geo_.keys * columns;
-  }
-  DCMHA_HOST_DEVICE index_t key_of(index_t item, index_t columns) const {
-    return item / columns % geo_.keys;
-  }
-  /// The scratch element of an item whose key is inside the tile (key_of < count).
-  DCMHA_HOST_DEVICE A& scratch_at(A* base, index_t item, index_t columns) const {
-    const index_t kv = item / (geo_.keys * columns), s = at_.keys.s0 + key_of(item, columns);
-    return base[((b_ * p_.dims.Hk + kv) * p_.dims.S + s) * columns + item % columns];
-  }
-  DCMHA_HOST_DEVICE A& dk_at(index_t item) const { return scratch_at(scratch_.dk, item, geo_.D); }
-  DCMHA_HOST_DEVICE A& dv_at(index_t item) const { return scratch_at(scratch_.dv, item, geo_.Dv); }
+  using Rows = Accumulators<kRowTiles>;
 
-  /// sum over the group's heads of kv head `kv` and the tile's real rows of x[m][r][c] y(h, t).
-  template <class F>
-  DCMHA_HOST_DEVICE A sum_over_heads_and_rows(index_t kv, index_t c, const A* x, F&& y) const {
-    const index_t heads_per_kv = p_.dims.H / p_.dims.Hk, g0 = at_.rows.g * geo_.M;
-    const index_t h0 = kv * heads_per_kv > g0 ? kv * heads_per_kv : g0;
-    const index_t h1 =
-        (kv + 1) * heads_per_kv < g0 + geo_.M ? (kv + 1) * heads_per_kv : g0 + geo_.M;
-    // Real rows only: a padding row's q and dO are never read.
-    const index_t real_rows = at_.rows.query_length - at_.rows.t0 < at_.rows.rows
-                                  ? at_.rows.query_length - at_.rows.t0
-                                  : at_.rows.rows;
-    A sum = 0;
-    for (index_t h = h0; h < h1; ++h)
-      for (index_t r = 0; r < real_rows; ++r)
-        sum += x[(h - g0) * geo_.positions() + r * geo_.keys + c] * y(h, at_.rows.t0 + r);
-    return sum;
+  DCMHA_INLINE void start() {
+    this->stage_key_rows(sh().k(0), p_.k, geo_.D, geo_.chunked_k, s0_, keys_real_);
+    this->stage_key_rows(sh().v(0), p_.v, geo_.Dv, geo_.chunked_v, s0_, keys_real_);
+    blk_.cp_async_commit();
+    DCMHA_UNROLL
+    for (int s = 0; s < 2; ++s) {
+      const ComposeTerms<T>& c = s == 0 ? p_.compose.pre : p_.compose.post;
+      if (sh().side(s).terms.key_wise)
+        stage_key_weights(blk_, sh().side(s), c, b_, g_, s0_, geo_.rows, this->key_length(),
+                          detail::KeyRing{});
+      stage_static_weights(blk_, sh().side(s), c, g_);
+    }
+    dk_.zero();
+    dv_.zero();
+    this->zero_weight_grads(sh());
   }
 
-  /// dk[kv][s][d] += scale sum dS[m][r][c] q_h[t][d] (dS in the chain's upstream array).
-  DCMHA_HOST_DEVICE void accumulate_key_grad() {
-    for_each_owned(blk_, kv_items(geo_.D), [&](index_t item) {
-      const index_t kv = item / (geo_.keys * geo_.D), c = item / geo_.D % geo_.keys;
-      const index_t d = item % geo_.D;
-      if (c >= at_.keys.count) return;
-      dk_at(item) += A(p_.scale) * sum_over_heads_and_rows(
-                                       kv, c, sh_.chain.upstream,
-                                       [&](index_t h, index_t t) { return A(p_.q(b_, h, t, d)); });
-    });
+  /// The first query tile at or after `tile` whose rows see a key of the block.
+  DCMHA_INLINE index_t next_tile(index_t tile, index_t tiles) const {
+    for (; tile < tiles; ++tile) {
+      const index_t t0 = tile * kStreamRows;
+      const index_t t1 = t0 + kStreamRows < p_.dims.T ? t0 + kStreamRows : p_.dims.T;
+      const detail::KeyRange r = mask_.rows(b_, t0, t1);
+      if (r.begin < s0_ + keys_real_ && r.end > s0_) return tile;
+    }
+    return tiles;
   }
 
-  /// dv[kv][s][e] += sum P'[m][r][c] dO_h[t][e].
-  DCMHA_HOST_DEVICE void accumulate_value_grad(const A* composed_probabilities) {
-    for_each_owned(blk_, kv_items(geo_.Dv), [&](index_t item) {
-      const index_t kv = item / (geo_.keys * geo_.Dv), c = item / geo_.Dv % geo_.keys;
-      const index_t e = item % geo_.Dv;
-      if (c >= at_.keys.count) return;
-      dv_at(item) +=
-          sum_over_heads_and_rows(kv, c, composed_probabilities,
-                                  [&](index_t h, index_t t) { return A(p_.dout(b_, h, t, e)); });
-    });
+  DCMHA_INLINE void stage_tile(index_t tile, int stage) {
+    const index_t t0 = tile * kStreamRows;
+    const int rows = p_.dims.T - t0 < kStreamRows ? int(p_.dims.T - t0) : kStreamRows;
+    this->stage_query_rows(sh().q(stage), p_.q, geo_.D, geo_.chunked_q, t0, rows);
+    this->stage_query_rows(sh().dout(stage), p_.dout, geo_.Dv, geo_.chunked_dout, t0, rows);
+    blk_.cp_async_commit();
   }
 
-  DCMHA_HOST_DEVICE void store_key_grads(index_t g, const ComposeTerms<T>& side,
-                                         const ComposeTermGrads<T>& grads,
-                                         const LowRankGrads<A>& acc) {
-    if (!side.key_wise) return;
-    const index_t R = key_rank(side), M = geo_.M, count = at_.keys.count, s0 = at_.keys.s0;
-    for_each_owned(blk_, count * R * M, [&](index_t item) {
-      const index_t c = item / (R * M), k = item / M % R, m = item % M;
-      const index_t at = (c * geo_.rank + k) * M + m;
-      grads.kw1(b_, s0 + c, g, k, m) = T(acc.w1[at]);
-      grads.kw2(b_, s0 + c, g, k, m) = T(acc.w2[at]);
-    });
-    for_each_owned(blk_, count * M, [&](index_t item) {
-      grads.kdd(b_, s0 + item / M, g, item % M) = T(acc.dd[item]);
-    });
+  /// The query tile at t0: S^T = scale K Q^T and dP'^T = V dO^T of the warp's head and keys,
+  /// then dK and dV.
+  DCMHA_INLINE void rows_step(index_t t0, int stage) {
+    const int rows = p_.dims.T - t0 < kStreamRows ? int(p_.dims.T - t0) : kStreamRows;
+    this->load_row_statistics(sh().lse(), sh().row_dot(), scratch_.row_dot, t0, kStreamRows,
+                              kStreamRows);
+    const index_t real_end = std::min<index_t>(this->query_length(), t0 + rows);
+    DCMHA_UNROLL
+    for (int s = 0; s < 2; ++s)
+      if (sh().side(s).terms.query_wise)
+        stage_query_weights(blk_, sh().side(s), s == 0 ? p_.compose.pre : p_.compose.post, b_, g_,
+                            t0, kStreamRows, real_end);
+    Rows st, dpt;
+    st.zero();
+    dpt.zero();
+    product_rows_rows(blk_, sh().k(0).head(kv_slot_), row0_, sh().q(stage).head(own_), 0,
+                      this->depth_of(geo_.D), st);
+    product_rows_rows(blk_, sh().v(0).head(kv_slot_), row0_, sh().dout(stage).head(own_), 0,
+                      this->depth_of(geo_.Dv), dpt);
+    if (geo_.registers) {
+      if constexpr (kTensorCoreType<T>) {
+        blk_.sync();  // the row statistics above, written by other warps
+        registers_step(t0, stage, st, dpt);
+      }
+      return;
+    }
+    store_fragments_transposed(blk_, st, sh().chain().scores.head(own_), row0_, 0, this->scale());
+    store_fragments_transposed(blk_, dpt, sh().chain().upstream.head(own_), row0_, 0, 1.0f);
+    blk_.sync_cluster();
+    const ChainContext<T> cx =
+        this->chain_context(sh(), {0, kStreamRows, slice_begin_, geo_.slice, 0});
+    this->run_chain(cx, t0, s0_);
+    blk_.sync_cluster();
+    product_cols_cols(blk_, sh().values_probs().head(own_), row0_, sh().dout(stage).head(own_), 0,
+                      kStreamRows, dv_);
+    product_cols_cols(blk_, sh().dscores().head(own_), row0_, sh().q(stage).head(own_), 0,
+                      kStreamRows, dk_);
+    this->accumulate_weight_grads(sh());
   }
 
-  DCMHA_HOST_DEVICE void store_key_value_grads() {
-    for_each_owned(blk_, kv_items(geo_.D), [&](index_t item) {
-      const index_t kv = item / (geo_.keys * geo_.D), c = item / geo_.D % geo_.keys;
-      if (c < at_.keys.count) p_.dk(b_, kv, at_.keys.s0 + c, item % geo_.D) = T(dk_at(item));
-    });
-    for_each_owned(blk_, kv_items(geo_.Dv), [&](index_t item) {
-      const index_t kv = item / (geo_.keys * geo_.Dv), c = item / geo_.Dv % geo_.keys;
-      if (c < at_.keys.count) p_.dv(b_, kv, at_.keys.s0 + c, item % geo_.Dv) = T(dv_at(item));
-    });
+  /// MHA in fragments: P^T, dS^T = P^T (dP^T - D), dV += P^T dO, dK += dS^T Q.
+  DCMHA_INLINE void registers_step(index_t t0, int stage, Rows& st, const Rows& dpt) {
+    using std::exp;
+    const FragmentPlace f(blk_);
+    DCMHA_UNROLL
+    for (int j = 0; j < kRowTiles; ++j) DCMHA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int r = 8 * j + f.column(i);
+      const index_t s = s0_ + row0_ + f.row(i);
+      const float l = blk_.load_shared(sh().lse() + own_ * kStreamRows + r);
+      const bool seen = t0 + r < p_.dims.T && mask_.row(b_, t0 + r).contains(s);
+      st.c[j][i] = seen && l > detail::negative_infinity<float>()
+                       ? exp(this->scale() * st.c[j][i] - l)
+                       : 0.0f;
+    }
+    blk_.count_exp(kRowTiles * 4);
+    product_fragments_cols(blk_, st, sh().dout(stage).head(own_), 0, dv_);
+    DCMHA_UNROLL
+    for (int j = 0; j < kRowTiles; ++j) DCMHA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int r = 8 * j + f.column(i);
+      st.c[j][i] *= dpt.c[j][i] - blk_.load_shared(sh().row_dot() + own_ * kStreamRows + r);
+    }
+    product_fragments_cols(blk_, st, sh().q(stage).head(own_), 0, dk_);
   }
 
-  const Block& blk_;
-  const detail::BackwardParams<T>& p_;
-  TileGeometry geo_;
-  BackwardScratch<A> scratch_;
-  KeyGradShared<A> sh_;
-  TileChain<T, Block> chain_;
-  TilePlace at_;
-  index_t b_ = 0;
+  DCMHA_INLINE void store() {
+    const FragmentPlace f(blk_);
+    const index_t klen = this->key_length();
+    const index_t kv = head_ / (p_.dims.H / p_.dims.Hk);
+    DCMHA_UNROLL
+    for (int j = 0; j < kDimTiles; ++j) DCMHA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int r = row0_ + f.row(i), d = 8 * j + f.column(i);
+      if (r >= keys_real_) continue;
+      const index_t s = s0_ + r;
+      const bool real = s < klen;
+      const float dk = real ? this->scale() * dk_.c[j][i] : 0.0f, dv = real ? dv_.c[j][i] : 0.0f;
+      if (geo_.dkv_per_head) {
+        if (d < geo_.D)
+          blk_.store_global(scratch_.dk + ((b_ * p_.dims.H + head_) * p_.dims.S + s) * geo_.D + d,
+                            dk);
+        if (d < geo_.Dv)
+          blk_.store_global(scratch_.dv + ((b_ * p_.dims.H + head_) * p_.dims.S + s) * geo_.Dv + d,
+                            dv);
+      } else {
+        if (d < geo_.D) blk_.store_global(&p_.dk(b_, kv, s, d), T(dk));
+        if (d < geo_.Dv) blk_.store_global(&p_.dv(b_, kv, s, d), T(dv));
+      }
+    }
+    this->store_weight_grads(sh(), s0_, keys_real_, this->key_length());
+  }
+
+  BackwardScratch scratch_;
+  DCMHA_INLINE BackwardTiles<T, kHeadDim> sh() const { return {geo_, blk_.shared()}; }
+  index_t s0_ = 0;
+  int keys_real_ = 0, slice_begin_ = 0;
+  Accumulators<kDimTiles> dk_, dv_;
 };
 
-/// W's gradient of one (side, group): the query blocks' partials summed in a fixed order.
-template <class T, class Block>
-DCMHA_HOST_DEVICE void sum_static_grads(const Block& blk, const detail::BackwardParams<T>& p,
-                                        const TileGeometry& geo,
-                                        const BackwardScratch<acc_t<T>>& scratch) {
-  using A = acc_t<T>;
-  const index_t side = blk.block(0), g = blk.block(1), M = geo.M;
+/// W's gradient of one (side, group): the query blocks' partials summed in block order.
+template <class Block, class T>
+DCMHA_INLINE void sum_static_grads(const Block& blk, const detail::BackwardParams<T>& p, int rows,
+                                   const BackwardScratch& scratch) {
+  const int side = int(blk.block(0)), M = int(p.dims.M);
+  const index_t g = blk.block(1);
   const ComposeTerms<T>& terms = side == 0 ? p.compose.pre : p.compose.post;
   const TensorView<T, 3>& dw = side == 0 ? p.dcompose.pre.w : p.dcompose.post.w;
   if (!terms.static_w) return;
-  const index_t tiles = (p.dims.T + geo.rows - 1) / geo.rows;
-  for_each_owned(blk, M * M, [&](index_t item) {
-    A sum = 0;
+  const index_t tiles = (p.dims.T + rows - 1) / rows;
+  for_each_owned(blk, M * M, [&](int item) {
+    float sum = 0;
     for (index_t b = 0; b < p.dims.B; ++b)
       for (index_t tile = 0; tile < tiles; ++tile)
-        sum += scratch.static_partials[((b * p.dims.G + g) * tiles + tile) * 2 * M * M +
-                                       side * M * M + item];
-    dw(g, item / M, item % M) = T(sum);
+        sum += blk.load_global(scratch.static_partials +
+                               (((b * p.dims.G + g) * tiles + tile) * 2 + side) * M * M + item);
+    blk.store_global(&dw(g, item / M, item % M), T(sum));
   });
+}
+
+/// dK and dV of kv head kv of sequence b (grid (kv, b)): its query heads' scratch summed in head
+/// order (GQA).
+template <class Block, class T>
+DCMHA_INLINE void sum_head_grads(const Block& blk, const detail::BackwardParams<T>& p,
+                                 const BackwardScratch& scratch) {
+  const index_t kv = blk.block(0), b = blk.block(1), S = p.dims.S, D = p.dims.D, Dv = p.dims.Dv;
+  const index_t per_kv = p.dims.H / p.dims.Hk;
+  for (index_t i = blk.thread(); i < S * (D + Dv); i += blk.threads()) {
+    const bool key = i < S * D;
+    const index_t width = key ? D : Dv, e = key ? i : i - S * D, s = e / width, d = e % width;
+    const float* base = key ? scratch.dk : scratch.dv;
+    float sum = 0;
+    for (index_t h = kv * per_kv; h < (kv + 1) * per_kv; ++h)
+      sum += blk.load_global(base + ((b * p.dims.H + h) * S + s) * width + d);
+    blk.store_global(key ? &p.dk(b, kv, s, d) : &p.dv(b, kv, s, d), T(sum));
+  }
 }
 
 }  // namespace dcmha::cuda

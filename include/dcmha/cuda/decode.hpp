@@ -92,8 +92,9 @@ class DecodeCache {
     p.counts = p.lengths + B;
     p.capacity = capacity();
     KernelLaunch l;
-    l.threads = 128;
-    l.grid = {n, B, 1};
+    l.shape.threads = 128;
+    l.shape.x = n;
+    l.shape.y = B;
     launch(fn, append_kernel<T>, l, stream, p);
   }
 
@@ -117,6 +118,7 @@ class DecodeCache {
 
 DCMHA_DEFINE_CUDA_DECODE_ENTRY_POINTS(float)
 DCMHA_DEFINE_CUDA_DECODE_ENTRY_POINTS(bf16)
+DCMHA_DEFINE_CUDA_DECODE_ENTRY_POINTS(half)
 #undef DCMHA_DEFINE_CUDA_DECODE_ENTRY_POINTS
 
 }  // namespace dcmha::cuda

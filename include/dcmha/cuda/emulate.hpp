@@ -1,41 +1,45 @@
 #pragma once
-// The CUDA backend's kernels executed on the host (simt_host.hpp), behind the CPU entry points'
-// call shape: what the tests check against the reference on machines without a GPU. Memory is
-// host memory; LaunchOptions choose threads and tiles, so small problems still cross tiles.
+// The CUDA backend's kernels executed by the emulator (emulator/emulator.hpp), behind the CPU
+// entry points' call shape: what the tests check against the reference on machines without a
+// GPU. Memory is host memory; LaunchOptions choose tiles, clusters, splits and the device limits
+// the plan assumes (an sm_90 by default).
 #include <vector>
 
 #include "../decode/decode_params.hpp"
 #include "../detail/validate.hpp"
+#include "backward_kernel.hpp"
+#include "forward_kernel.hpp"
 #include "launch_plan.hpp"
-#include "simt_host.hpp"
 
 namespace dcmha::cuda::emulate {
 
-inline host::Grid grid_of(const KernelLaunch& l) { return {l.grid.x, l.grid.y, l.grid.z}; }
+using emulator::HostBlock;
 
 /// The forward's launches (launch_forward's twin, on host memory).
 template <class T>
 void run_forward(const detail::ForwardParams<T>& p, const ForwardLaunch& l) {
-  using A = acc_t<T>;
-  using Block = host::HostBlock;
-  const KernelLaunch& b = l.blocks;
-  if (l.splits == 1) {
-    host::launch(grid_of(b), b.threads, std::size_t(b.shared_bytes),
-                 [&](const Block& blk) { ForwardKernel<T, Block>(blk, p, b.geo).run(); });
-    return;
-  }
-  std::vector<A> scratch(static_cast<std::size_t>(l.scratch_elements(p.dims)));
-  const KeySplit<A> split = l.carve(scratch.data(), p.dims);
-  host::launch(grid_of(b), b.threads, std::size_t(b.shared_bytes), [&](const Block& blk) {
-    ForwardKernel<T, Block>(blk, p, b.geo, split).run_split_statistics();
+  dispatch_head_dim(l.head_dim, [&](auto head_dim) {
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    auto blocks = [&](const char* name, ForwardPhase phase, const KeySplit& split) {
+      const ForwardGeometry geo = l.phase(phase);
+      emulator::launch(name, l.blocks.shape, [&](const HostBlock& blk) {
+        ForwardKernel<T, kHeadDim, HostBlock>(blk, p, geo, split).run();
+      });
+    };
+    if (l.geo.splits == 1) {
+      blocks("forward", ForwardPhase::whole, KeySplit{});
+      return 0;
+    }
+    std::vector<float> scratch(static_cast<std::size_t>(l.scratch_elements(p.dims)));
+    const KeySplit split = l.carve(scratch.data(), p.dims);
+    blocks("forward_split_statistics", ForwardPhase::split_statistics, split);
+    emulator::launch("combine_split_statistics", l.per_sequence.shape,
+                     [&](const HostBlock& blk) { combine_split_statistics(blk, p, split); });
+    blocks("forward_split_values", ForwardPhase::split_values, split);
+    emulator::launch("sum_split_outputs", l.per_sequence.shape,
+                     [&](const HostBlock& blk) { sum_split_outputs(blk, p, split); });
+    return 0;
   });
-  host::launch(grid_of(l.per_sequence), l.per_sequence.threads, 0,
-               [&](const Block& blk) { combine_split_statistics(blk, p, split); });
-  host::launch(grid_of(b), b.threads, std::size_t(b.shared_bytes), [&](const Block& blk) {
-    ForwardKernel<T, Block>(blk, p, b.geo, split).run_split_values();
-  });
-  host::launch(grid_of(l.per_sequence), l.per_sequence.threads, 0,
-               [&](const Block& blk) { sum_split_outputs(blk, p, split); });
 }
 
 template <class T>
@@ -47,31 +51,41 @@ void forward(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<co
   run_forward(p, forward_launch(fn, p, opt));
 }
 
+/// The backward's launches (launch_backward's twin, on host memory).
+template <class T>
+void run_backward(const detail::BackwardParams<T>& p, const BackwardLaunch& l) {
+  const BackwardScratchSizes sizes = backward_scratch_sizes(p.dims, l);
+  std::vector<float> memory(static_cast<std::size_t>(sizes.total()), 0.0f);
+  const BackwardScratch scratch = carve_scratch(memory.data(), sizes);
+  dispatch_head_dim(l.head_dim, [&](auto head_dim) {
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    emulator::launch("backward_query", l.query_blocks.shape, [&](const HostBlock& blk) {
+      QueryGradKernel<T, kHeadDim, HostBlock>(blk, p, l.query, scratch).run();
+    });
+    emulator::launch("backward_key", l.key_blocks.shape, [&](const HostBlock& blk) {
+      KeyGradKernel<T, kHeadDim, HostBlock>(blk, p, l.key, scratch).run();
+    });
+    return 0;
+  });
+  if (sizes.static_partials > 0)
+    emulator::launch("sum_static_grads", l.static_sums.shape, [&](const HostBlock& blk) {
+      sum_static_grads(blk, p, l.query.rows, scratch);
+    });
+  if (l.key.dkv_per_head)
+    emulator::launch("sum_head_grads", l.head_sums.shape,
+                     [&](const HostBlock& blk) { sum_head_grads(blk, p, scratch); });
+}
+
 template <class T>
 void backward(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,
               TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
               TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
               TensorView<T, 4> dv, const ComposeWeights<T>& compose = {},
               const ComposeGrads<T>& dcompose = {}, const LaunchOptions& opt = {}) {
-  using A = acc_t<T>;
   const char* fn = "dcmha::cuda::emulate::backward";
   const detail::BackwardParams<T> p =
       detail::backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
-  const BackwardLaunch l = backward_launch(fn, p, opt);
-  const BackwardScratchSizes sizes = backward_scratch_sizes(p.dims, l);
-  std::vector<A> memory(static_cast<std::size_t>(sizes.total()));
-  const BackwardScratch<A> scratch = carve_scratch(memory.data(), sizes);
-  host::launch(grid_of(l.query), l.query.threads, std::size_t(l.query.shared_bytes),
-               [&](const host::HostBlock& blk) {
-                 QueryGradKernel<T, host::HostBlock>(blk, p, l.query.geo, scratch).run();
-               });
-  host::launch(grid_of(l.key), l.key.threads, std::size_t(l.key.shared_bytes),
-               [&](const host::HostBlock& blk) {
-                 KeyGradKernel<T, host::HostBlock>(blk, p, l.key.geo, scratch).run();
-               });
-  host::launch(grid_of(l.static_sums), l.static_sums.threads, 0, [&](const host::HostBlock& blk) {
-    sum_static_grads(blk, p, l.static_sums.geo, scratch);
-  });
+  run_backward(p, backward_launch(fn, p, opt));
 }
 
 /// A decode step (decode/decode.hpp) over a host DecodeCache: the forward kernel on the

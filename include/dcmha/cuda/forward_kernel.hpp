@@ -1,281 +1,560 @@
 #pragma once
-// The forward (and decode) kernel body: one block per (query tile, compose group, sequence).
+// The forward (and decode) kernel body. One cluster of `cluster` blocks per (query tile of `rows`
+// rows, compose group, sequence); each block owns `own_heads` of the group's M heads and one warp
+// per (own head, 16 rows): the warp's Q rows stay in shared memory, its output accumulators in
+// registers, and it takes the key tiles' products on the tensor cores. Between the products the
+// block composes its slice of the tile's rows for all M heads (compose_pass.hpp), reading the
+// other heads' scores from its cluster's blocks.
 //
-// Two passes over the keys the tile's rows see. The first computes each row's softmax
-// statistics of the pre-composed scores; the second recomputes the scores, turns them into
-// exact probabilities with those statistics, post-composes them and accumulates P' V. The
-// recomputation replaces the CPU backend's score panels: on a GPU one row's M x S panel does not
-// fit in shared memory, and post-compose needs normalized probabilities of every head.
+// Per key tile, while the next tile's K (and V) rows land by cp.async in the other stage:
+//   registers  S = Q K^T, mask, online softmax, O += P V: FlashAttention-2, nothing in between
+//   one_pass   S -> shared; [cluster barrier] Compose_pre; [barrier] online softmax, O += P V
+//   two_pass   pass 1: S, Compose_pre, row statistics; pass 2: S, Compose_pre, P = exp(L' - lse),
+//              Compose_post, P' (storage type) to each head's owner; [barrier] O += P' V
+// Post-compose mixes the normalized probabilities of all heads, so it needs every row's lse
+// first: hence the second pass, which recomputes the scores rather than keeping them.
 //
-// With few query blocks and many keys (decode: one row per sequence, and DCMHA's one group) the
-// keys of a tile are split across `KeySplit::count` blocks: partial statistics, combined into
-// the lse in a fixed order, then partial P'V, summed in a fixed order (four launches).
+// With few query tiles and many keys (decode) the keys of a tile are split across blocks: each
+// split's statistics, their combination into the lse (in split order), each split's P'V with
+// that lse, and the sum of the splits (in split order): four launches, deterministic.
 #include <cmath>
 
-#include "scores_tile.hpp"
-#include "tensor_core_tile.hpp"
+#include "../common/mask.hpp"
+#include "../common/softmax_state.hpp"
+#include "../params.hpp"
+#include "compose_pass.hpp"
+#include "forward_geometry.hpp"
+#include "score_fragments.hpp"
+#include "staging.hpp"
+#include "warp_product.hpp"
+#include "weight_staging.hpp"
 
 namespace dcmha::cuda {
 
-/// The forward's shared memory.
-template <class A>
-struct ForwardShared {
-  using value_type = A;
-  A *scores, *composed;            // [M][rows][keys]
-  LowRankSums<A> sums;             // [rank][positions], of the input
-  A *row_max, *row_sum, *lse;      // [M][rows]
-  A* out;                          // [M][rows][Dv]
-  TensorCoreStaging tensor_cores;  // bf16 with geo.tensor_warps: the products' staging
-
-  DCMHA_HOST_DEVICE void carve(SharedArena<A>& arena, const TileGeometry& geo) {
-    scores = arena.take(geo.scores());
-    composed = arena.take(geo.scores());
-    sums.query_of_input = arena.take(geo.rank * geo.positions());
-    sums.key_of_input = arena.take(geo.rank * geo.positions());
-    row_max = arena.take(geo.M * geo.rows);
-    row_sum = arena.take(geo.M * geo.rows);
-    lse = arena.take(geo.M * geo.rows);
-    out = arena.take(geo.M * geo.rows * geo.Dv);
-    if constexpr (std::is_same_v<A, float>) tensor_cores.carve(arena, geo);
-  }
-};
-
-/// The scratch of a forward whose keys are split across blocks; count 1: not split.
-template <class A>
-struct KeySplit {
-  index_t count = 1;
-  A* stats = nullptr;  // [split][B][H][T][2]: each split's row max and sum
-  A* lse = nullptr;    // [B][H][T]
-  A* out = nullptr;    // [split][B][H][T][Dv]: each split's P'V
-};
-
-template <class T, class Block>
+template <class T, int kHeadDim, class Block>
 class ForwardKernel {
  public:
-  using A = acc_t<T>;
+  static constexpr int kKeyTiles = kKeys / 8, kValueTiles = kHeadDim / 8;
 
-  /// The block's query tile and, for a split forward, its share of the keys: grid z is
-  /// split * B + sequence.
-  DCMHA_HOST_DEVICE ForwardKernel(const Block& blk, const detail::ForwardParams<T>& p,
-                                  const TileGeometry& geo, const KeySplit<A>& split = {})
-      : blk_(blk),
-        p_(p),
-        geo_(geo),
-        sh_(carve_shared<ForwardShared<A>>(blk.shared(), geo)),
-        split_(split) {
-    split_index_ = blk.block(2) / p.dims.B;
-    at_.rows = query_tile(p, geo, blk.block(0), blk.block(1), blk.block(2) % p.dims.B);
-    at_.ring = p.keys;
+  DCMHA_INLINE ForwardKernel(const Block& blk, const detail::ForwardParams<T>& p,
+                             const ForwardGeometry& geo, const KeySplit& split)
+      : blk_(blk), p_(p), geo_(geo), split_(split), mask_(p.mask, p.dims.T, p.dims.S) {
+    rank_ = blk.cluster_rank();
+    tile_ = int(blk.block(0) / geo.cluster);
+    g_ = blk.block(1);
+    b_ = blk.block(2) % p.dims.B;
+    split_index_ = int(blk.block(2) / p.dims.B);
+    t0_ = index_t(tile_) * geo.rows;
+    rows_real_ = p.dims.T - t0_ < geo.rows ? int(p.dims.T - t0_) : geo.rows;
+    const int w = warp_of(blk);
+    own_ = w / (geo.rows / 16);
+    row0_ = w % (geo.rows / 16) * 16;
+    head_ = g_ * geo.M + rank_ * geo.own_heads + own_;
+    const index_t heads_per_kv = p.dims.H / p.dims.Hk;
+    kv_first_ = (g_ * geo.M + rank_ * geo.own_heads) / heads_per_kv;
+    kv_slot_ = int(head_ / heads_per_kv - kv_first_);
+    slice_begin_ = rank_ * geo.slice_rows;
   }
 
-  /// The whole forward of the block's rows.
-  DCMHA_HOST_DEVICE void run() {
-    const KeyRange keys = tile_keys(p_.mask, at_.rows);
+  DCMHA_INLINE void run() {
     start();
-    statistics_pass(keys);
-    finish_statistics();
-    blk_.sync();
-    values_pass(keys);
-    store_output();
-  }
-
-  /// A split forward's first launch: this share's row statistics into the scratch.
-  DCMHA_HOST_DEVICE void run_split_statistics() {
-    start();
-    statistics_pass(split_keys());
-    for_each_owned(blk_, geo_.M * at_.rows.rows, [&](index_t item) {
-      const index_t m = item / at_.rows.rows, r = item % at_.rows.rows;
-      A* stats = split_.stats + 2 * (split_index_ * rows_total() + row_index(m, r));
-      stats[0] = sh_.row_max[m * geo_.rows + r];
-      stats[1] = sh_.row_sum[m * geo_.rows + r];
-    });
-  }
-
-  /// A split forward's third launch (after combine_split_statistics): this share's P'V.
-  DCMHA_HOST_DEVICE void run_split_values() {
-    start();
-    for_each_owned(blk_, geo_.M * geo_.rows, [&](index_t item) {
-      const index_t m = item / geo_.rows, r = item % geo_.rows;
-      sh_.lse[item] = r < at_.rows.rows ? split_.lse[row_index(m, r)] : negative_infinity<A>();
-    });
-    blk_.sync();
-    values_pass(split_keys());
-    for_each_owned(blk_, geo_.M * at_.rows.rows * geo_.Dv, [&](index_t item) {
-      const index_t m = item / (at_.rows.rows * geo_.Dv), r = item / geo_.Dv % at_.rows.rows;
-      const index_t e = item % geo_.Dv;
-      split_.out[(split_index_ * rows_total() + row_index(m, r)) * geo_.Dv + e] =
-          sh_.out[(m * geo_.rows + r) * geo_.Dv + e];
-    });
+    const detail::KeyRange keys = block_keys();
+    if (geo_.phase == ForwardPhase::split_values) {
+      load_split_lse();
+      values_pass(keys);
+      store_split_output();
+    } else if (geo_.phase == ForwardPhase::split_statistics) {
+      statistics_pass(keys);
+      store_split_statistics();
+    } else if (geo_.mode == ForwardMode::two_pass) {
+      statistics_pass(keys);
+      finish_statistics();
+      values_pass(keys);
+      store_output(false);
+    } else {
+      online_pass(keys);
+      finish_statistics();
+      store_output(true);
+    }
+    // No peer touches this block's shared memory after the last compose's cluster barrier: the
+    // block may leave.
   }
 
  private:
-  DCMHA_HOST_DEVICE index_t rows_total() const { return p_.dims.B * p_.dims.H * p_.dims.T; }
-  DCMHA_HOST_DEVICE index_t row_index(index_t m, index_t r) const {
-    return (at_.rows.b * p_.dims.H + at_.rows.g * geo_.M + m) * p_.dims.T + at_.rows.t0 + r;
+  using Values = Accumulators<kValueTiles>;
+  using Scores = Accumulators<kKeyTiles>;
+
+  // --- setup -----------------------------------------------------------------------------------
+
+  DCMHA_INLINE index_t query_length() const { return mask_.query_length(b_); }
+  DCMHA_INLINE index_t key_length() const { return mask_.key_length(b_); }
+
+  /// The keys the block's rows see, and of those its split's share (whole key tiles).
+  DCMHA_INLINE detail::KeyRange block_keys() const {
+    const detail::KeyRange all = mask_.rows(b_, t0_, t0_ + rows_real_);
+    if (split_.count == 1) return all;
+    const index_t tiles = (all.size() + kKeys - 1) / kKeys;
+    const index_t per_split = (tiles + split_.count - 1) / split_.count;
+    const index_t begin = all.begin + split_index_ * per_split * kKeys;
+    const index_t end = begin + per_split * kKeys < all.end ? begin + per_split * kKeys : all.end;
+    return begin < end ? detail::KeyRange{begin, end} : detail::KeyRange{0, 0};
   }
 
-  /// This block's share of the tile's keys: whole key steps, split as evenly as they go (a
-  /// share may be empty).
-  DCMHA_HOST_DEVICE KeyRange split_keys() const {
-    const KeyRange keys = tile_keys(p_.mask, at_.rows);
-    const index_t steps = (keys.end - keys.begin + geo_.keys - 1) / geo_.keys;
-    const index_t per_split = (steps + split_.count - 1) / split_.count;
-    const index_t begin = keys.begin + split_index_ * per_split * geo_.keys;
-    const index_t end =
-        begin + per_split * geo_.keys < keys.end ? begin + per_split * geo_.keys : keys.end;
-    return begin < end ? KeyRange{begin, end} : KeyRange{0, 0};
+  DCMHA_INLINE void start() {
+    const index_t qlen = query_length();
+    for (int j = 0; j < geo_.own_heads; ++j) {
+      const index_t h = g_ * geo_.M + rank_ * geo_.own_heads + j;
+      stage_rows(blk_, sh().q().head(j), geo_.D, geo_.chunked_q, p_.q.data, [&](int r) -> const T* {
+        const index_t t = t0_ + r;
+        return r < rows_real_ && t < qlen ? &p_.q(b_, h, t, 0) : nullptr;
+      });
+    }
+    blk_.cp_async_commit();
+    stage_query_weights(0, p_.compose.pre);
+    if (geo_.mode == ForwardMode::two_pass) stage_query_weights(1, p_.compose.post);
+    rows_ = FragmentRows(blk_, mask_, b_, t0_ + row0_, rows_real_ - row0_);
+    state_[0] = state_[1] = detail::SoftmaxState<float>{};
+    out_.zero();
   }
 
-  DCMHA_HOST_DEVICE void start() {
-    fill(blk_, sh_.row_max, geo_.M * geo_.rows, negative_infinity<A>());
-    fill(blk_, sh_.row_sum, geo_.M * geo_.rows, A(0));
-    fill(blk_, sh_.out, geo_.M * geo_.rows * geo_.Dv, A(0));
+  /// Query-wise (and static) weights of the block's slice rows.
+  DCMHA_INLINE void stage_query_weights(int side, const ComposeTerms<T>& c) {
+    const index_t real_end =
+        t0_ + (rows_real_ < int(query_length() - t0_) ? rows_real_ : query_length() - t0_);
+    cuda::stage_query_weights(blk_, sh().side(side), c, b_, g_, t0_ + slice_begin_, geo_.slice_rows,
+                              real_end);
+    stage_static_weights(blk_, sh().side(side), c, g_);
+  }
+
+  /// Key-wise weights of the tile's keys [s0, s0 + kKeys).
+  DCMHA_INLINE void stage_key_weights(int side, const ComposeTerms<T>& c, index_t s0) {
+    if (sh().side(side).terms.key_wise)
+      cuda::stage_key_weights(blk_, sh().side(side), c, b_, g_, s0, kKeys, key_length(), p_.keys);
+  }
+
+  /// Rows [s0, s0 + kKeys) of x (K or V) of every kv slot into `tiles` (uncommitted).
+  DCMHA_INLINE void stage_keys(const OperandTiles<T>& tiles, const TensorView<const T, 4>& x,
+                               int width, bool chunked, index_t s0) {
+    const index_t klen = key_length();
+    for (int slot = 0; slot < geo_.kv_slots; ++slot) {
+      const index_t kv = kv_first_ + slot;
+      stage_rows(blk_, tiles.head(slot), width, chunked, x.data, [&](int r) -> const T* {
+        const index_t s = s0 + r;
+        return s < klen ? &x(b_, kv, p_.keys.slot(b_, s), 0) : nullptr;
+      });
+    }
+  }
+
+  /// The key tiles of [keys.begin, keys.end) as a loop:
+  ///   for (index_t s0 = first_key_tile(keys, values), stage = 0; s0 < keys.end; s0 += kKeys,
+  ///        stage ^= 1) { key_tile(s0, keys, stage, values); ... }
+  /// key_tile() leaves the tile's K rows in stage `stage`, landed and visible to the block, the
+  /// next tile's K rows landing in the other stage and, with `values`, this tile's V rows in the V
+  /// tiles (wait_values() before reading them).
+  DCMHA_INLINE index_t first_key_tile(const detail::KeyRange& keys) {
+    if (keys.empty()) return keys.end;
+    stage_keys(sh().k(0), p_.k, geo_.D, geo_.chunked_k, keys.begin);
+    blk_.cp_async_commit();
+    return keys.begin;
+  }
+  DCMHA_INLINE void key_tile(index_t s0, const detail::KeyRange& keys, int stage, bool values) {
+    blk_.template cp_async_wait<0>();
+    // This tile's K landed for everyone; every warp is done with the other stage and with the V
+    // tiles of the last tile.
+    blk_.sync();
+    if (values) stage_keys(sh().v(), p_.v, geo_.Dv, geo_.chunked_v, s0);
+    blk_.cp_async_commit();
+    if (s0 + kKeys < keys.end)
+      stage_keys(sh().k(stage ^ 1), p_.k, geo_.D, geo_.chunked_k, s0 + kKeys);
+    blk_.cp_async_commit();
+  }
+
+  /// This tile's V rows, landed and visible; the next tile's K (the newest group) may still be
+  /// in flight.
+  DCMHA_INLINE void wait_values() const {
+    blk_.template cp_async_wait<1>();
     blk_.sync();
   }
 
-  DCMHA_HOST_DEVICE void statistics_pass(const KeyRange& keys) {
-    for (index_t s0 = keys.begin; s0 < keys.end; s0 += geo_.keys) {
-      step_to(s0, keys.end);
-      composed_score_tile(blk_, p_, geo_, at_, sh_.tensor_cores, sh_.scores, sh_.composed,
-                          sh_.sums);
-      accumulate_statistics();
-      blk_.sync();
+  // --- the passes ------------------------------------------------------------------------------
+
+  /// S = scale Q K^T of the warp's head and rows.
+  DCMHA_INLINE Scores scores(int stage) const {
+    Scores s;
+    s.zero();
+    const int depth = (geo_.D + 15) / 16 * 16;
+    product_rows_rows(blk_, sh().q().head(own_), row0_, sh().k(stage).head(kv_slot_), 0, depth, s);
+    return s;
+  }
+
+  DCMHA_INLINE float scale() const { return float(p_.scale); }
+
+  /// The scores of the tile at s0 into the block's score tiles, Compose_pre on the block's slice
+  /// with its output in the own heads' tiles (composed_tiles()); ends with the cluster synced.
+  DCMHA_INLINE void composed_scores(index_t s0, int stage, bool post_keys) {
+    store_fragments(blk_, scores(stage), sh().scores().head(own_), row0_, 0, scale());
+    stage_key_weights(0, p_.compose.pre, s0);
+    if (post_keys) stage_key_weights(1, p_.compose.post, s0);
+    blk_.sync_cluster();
+  }
+
+  DCMHA_INLINE ScoreTiles composed_tiles() const { return sh().composed(); }
+
+  /// The warp's composed scores of the tile at s0, masked (-inf where a row does not see a key):
+  /// in registers (registers mode), or through the score tiles and Compose_pre on the block's
+  /// slice.
+  DCMHA_INLINE Scores composed_fragments(index_t s0, int stage) {
+    Scores s;
+    if (geo_.mode == ForwardMode::registers) {
+      s = scores(stage);
+      DCMHA_UNROLL
+      for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
+      for (int i = 0; i < 4; ++i) s.c[j][i] *= scale();
+    } else {
+      composed_scores(s0, stage, false);
+      if (geo_.composes()) compose_scores(s0);
+      blk_.sync_cluster();
+      load_fragments(blk_, composed_tiles().head(own_), row0_, 0, s);
+    }
+    mask_fragments(blk_, rows_, s0, s, detail::negative_infinity<float>());
+    return s;
+  }
+
+  /// Pass 1: the rows' statistics of the composed scores.
+  DCMHA_INLINE void statistics_pass(const detail::KeyRange& keys) {
+    int stage = 0;
+    for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
+      key_tile(s0, keys, stage, false);
+      Scores s = composed_fragments(s0, stage);
+      float factor[2];
+      online_softmax(blk_, s, state_, factor);
     }
   }
 
-  /// P = exp(L' - lse), Compose_post, P'V over the keys; ends synced.
-  DCMHA_HOST_DEVICE void values_pass(const KeyRange& keys) {
-    for (index_t s0 = keys.begin; s0 < keys.end; s0 += geo_.keys) {
-      step_to(s0, keys.end);
-      composed_score_tile(blk_, p_, geo_, at_, sh_.tensor_cores, sh_.scores, sh_.composed,
-                          sh_.sums);
-      probabilities_tile(blk_, p_, geo_, at_, sh_.lse, sh_.composed);
-      blk_.sync();
-      compose_tile(blk_, p_.compose.post, geo_, at_, sh_.composed, sh_.scores, sh_.sums);
-      blk_.sync();
-      accumulate_values(sh_.scores);
-      blk_.sync();
+  /// registers / one_pass: the online softmax with the outputs rescaled as the maxima rise.
+  DCMHA_INLINE void online_pass(const detail::KeyRange& keys) {
+    int stage = 0;
+    for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
+      key_tile(s0, keys, stage, true);
+      Scores s = composed_fragments(s0, stage);
+      float factor[2];
+      online_softmax(blk_, s, state_, factor);
+      DCMHA_UNROLL
+      for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
+      for (int i = 0; i < 4; ++i) out_.c[j][i] *= factor[i / 2];
+      accumulate_values(s);
     }
   }
 
-  DCMHA_HOST_DEVICE void step_to(index_t s0, index_t end) {
-    at_.keys.s0 = s0;
-    at_.keys.count = end - s0 < geo_.keys ? end - s0 : geo_.keys;
+  /// O += P V with P the warp's own fragments (after wait_values()).
+  DCMHA_INLINE void accumulate_values(const Scores& probabilities) {
+    wait_values();
+    if constexpr (kTensorCoreType<T>) {
+      product_fragments_cols(blk_, probabilities, sh().v().head(kv_slot_), 0, out_);
+    } else {
+      // Float storage takes P through the warp's own rows of the P' tile.
+      const OperandTile<T> tile = sh().probs().head(own_);
+      const FragmentPlace f(blk_);
+      DCMHA_UNROLL
+      for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
+      for (int i = 0; i < 4; ++i)
+        blk_.store_shared(tile.at(row0_ + f.row(i), 8 * j + f.column(i)), T(probabilities.c[j][i]));
+      blk_.sync_warp();
+      product_rows_cols(blk_, tile, row0_, sh().v().head(kv_slot_), 0, 0, kKeys, out_);
+    }
   }
 
-  /// Online softmax statistics: item (m, r) is one thread's in every step.
-  DCMHA_HOST_DEVICE void accumulate_statistics() {
+  /// Pass 2: exact probabilities from the lse; with Compose_post, through the block's slice and
+  /// each head's owner, else in the warp's fragments; O += P' V.
+  DCMHA_INLINE void values_pass(const detail::KeyRange& keys) {
+    int stage = 0;
+    for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
+      key_tile(s0, keys, stage, true);
+      if (geo_.mode == ForwardMode::two_pass) {
+        composed_scores(s0, stage, true);
+        compose_probabilities(s0);
+        blk_.sync_cluster();
+        wait_values();
+        product_rows_cols(blk_, sh().probs().head(own_), row0_, sh().v().head(kv_slot_), 0, 0,
+                          kKeys, out_);
+        continue;
+      }
+      Scores s = composed_fragments(s0, stage);
+      probabilities_of_fragments(s);
+      accumulate_values(s);
+    }
+  }
+
+  /// exp(s - lse) of the warp's rows (lse in shared memory), 0 for rows that see no key.
+  DCMHA_INLINE void probabilities_of_fragments(Scores& s) const {
     using std::exp;
-    for_each_owned(blk_, geo_.M * geo_.rows, [&](index_t item) {
-      const index_t m = item / geo_.rows, r = item % geo_.rows;
-      const KeyRange seen =
-          cuda::visible_keys(p_.mask, at_.rows.t0 + r, at_.rows.query_length, at_.rows.key_length);
-      const A* row = sh_.composed + m * geo_.positions() + r * geo_.keys;
-      A tile_max = negative_infinity<A>();
-      for (index_t c = 0; c < at_.keys.count; ++c)
-        if (sees(seen, at_.keys.s0 + c) && row[c] > tile_max) tile_max = row[c];
-      if (tile_max == negative_infinity<A>()) return;  // no key of this row in the step
-      const A old_max = sh_.row_max[item];
-      const A new_max = old_max > tile_max ? old_max : tile_max;
-      A sum = old_max == negative_infinity<A>() ? A(0) : sh_.row_sum[item] * exp(old_max - new_max);
-      for (index_t c = 0; c < at_.keys.count; ++c)
-        if (sees(seen, at_.keys.s0 + c)) sum += exp(row[c] - new_max);
-      sh_.row_max[item] = new_max;
-      sh_.row_sum[item] = sum;
-    });
+    const FragmentPlace f(blk_);
+    DCMHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const float l =
+          blk_.load_shared(sh().lse() + index_t(own_) * geo_.rows + row0_ + f.row(2 * h));
+      DCMHA_UNROLL
+      for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
+      for (int i = 2 * h; i < 2 * h + 2; ++i)
+        s.c[j][i] = l > detail::negative_infinity<float>() ? exp(s.c[j][i] - l) : 0.0f;
+    }
+    blk_.count_exp(index_t(kKeyTiles) * 4);
   }
 
-  /// lse = max + log(sum), -inf for a row that sees no key (its output is then zero).
-  DCMHA_HOST_DEVICE void finish_statistics() {
-    using std::log;
-    for_each_owned(blk_, geo_.M * geo_.rows, [&](index_t item) {
-      const index_t m = item / geo_.rows, r = item % geo_.rows;
-      const A sum = sh_.row_sum[item];
-      const A lse = sum > 0 ? sh_.row_max[item] + log(sum) : negative_infinity<A>();
-      sh_.lse[item] = lse;
-      if (r < at_.rows.rows && !p_.lse.empty())
-        p_.lse(at_.rows.b, at_.rows.g * geo_.M + m, at_.rows.t0 + r) = lse;
-    });
+  // --- Compose on the block's slice --------------------------------------------------------------
+
+  DCMHA_INLINE GroupTiles group_tiles(const ScoreTiles& t) const { return {t, geo_.own_heads}; }
+
+  /// The block's slice: its rows of the tile, every key.
+  DCMHA_INLINE ComposeRegion region() const {
+    return {slice_begin_, geo_.slice_rows, 0, kKeys, slice_begin_};
   }
 
-  /// out[m][r][e] += sum_c P'[m][r][c] v[s][e]: item (m, r, e) is one thread's in every step.
-  DCMHA_HOST_DEVICE void accumulate_values(const A* composed_probabilities) {
-    if constexpr (std::is_same_v<T, bf16>)
-      if (geo_.tensor_warps > 0)
-        return accumulate_values_on_tensor_cores(blk_, p_, geo_, at_, sh_.tensor_cores,
-                                                 composed_probabilities, sh_.out);
-    const index_t heads_per_kv = p_.dims.H / p_.dims.Hk, b = at_.rows.b;
-    for_each_owned(blk_, geo_.M * geo_.rows * geo_.Dv, [&](index_t item) {
-      const index_t m = item / (geo_.rows * geo_.Dv), r = item / geo_.Dv % geo_.rows;
-      const index_t e = item % geo_.Dv, kv = (at_.rows.g * geo_.M + m) / heads_per_kv;
-      const A* row = composed_probabilities + m * geo_.positions() + r * geo_.keys;
-      A sum = 0;
-      for (index_t c = 0; c < at_.keys.count; ++c)
-        sum += row[c] * A(p_.v(b, kv, at_.ring.slot(b, at_.keys.s0 + c), e));
-      sh_.out[item] += sum;
-    });
+  /// The keys the rows of an item see.
+  DCMHA_INLINE void item_ranges(const ComposeItem& it, detail::KeyRange (&r)[kComposeRows]) const {
+    DCMHA_UNROLL
+    for (int i = 0; i < kComposeRows; ++i) {
+      const int row = it.row0 + i;
+      r[i] = i < it.rows && row < rows_real_ ? mask_.row(b_, t0_ + row) : detail::KeyRange{0, 0};
+    }
   }
 
-  DCMHA_HOST_DEVICE void store_output() {
-    for_each_owned(blk_, geo_.M * at_.rows.rows * geo_.Dv, [&](index_t item) {
-      const index_t m = item / (at_.rows.rows * geo_.Dv), r = item / geo_.Dv % at_.rows.rows;
-      const index_t e = item % geo_.Dv;
-      p_.out(at_.rows.b, at_.rows.g * geo_.M + m, at_.rows.t0 + r, e) =
-          T(sh_.out[(m * geo_.rows + r) * geo_.Dv + e]);
-    });
+  /// Compose_pre of the slice's scores; invisible positions become -inf (the statistics skip
+  /// them). Without Compose_pre (float MHA) the scores are only masked.
+  DCMHA_INLINE void compose_scores(index_t s0) {
+    const SideWeights<T> w = sh().side(0);
+    const GroupTiles in = group_tiles(sh().scores()), out = group_tiles(composed_tiles());
+    for (int round = 0; round < compose_rounds(blk_, region(), geo_.compose_parts); ++round) {
+      const ComposeItem it = compose_item(blk_, region(), geo_.M, geo_.compose_parts, round);
+      Projections proj;
+      proj.zero();
+      if (it.valid)
+        for (int m = it.head0; m < it.head0 + it.heads; ++m) {
+          float x[kComposeRows];
+          load_item(blk_, in.head(blk_, m), it, x);
+          proj.add(blk_, w, it, m, x);
+        }
+      proj.reduce(blk_, geo_.compose_parts);
+      if (!it.valid) continue;
+      detail::KeyRange ranges[kComposeRows];
+      item_ranges(it, ranges);
+      for (int n = it.head0; n < it.head0 + it.heads; ++n) {
+        float x[kComposeRows], y[kComposeRows];
+        load_item(blk_, in.head(blk_, n), it, x);
+        compose_head(blk_, w, it, proj, n, x, y);
+        if (w.terms.static_w) add_static_term(blk_, w, in, it, n, y);
+        const ScoreTile t = out.head(blk_, n);
+        DCMHA_UNROLL
+        for (int i = 0; i < kComposeRows; ++i)
+          if (i < it.rows)
+            blk_.store_shared(t.at(it.row0 + i, it.key), ranges[i].contains(s0 + it.key)
+                                                             ? y[i]
+                                                             : detail::negative_infinity<float>());
+      }
+    }
   }
+
+  /// Compose_pre, P = exp(L' - lse) (0 where a row does not see the key or sees none at all),
+  /// Compose_post, and P' in the storage type to each head's owner.
+  DCMHA_INLINE void compose_probabilities(index_t s0) {
+    const SideWeights<T> pre = sh().side(0), post = sh().side(1);
+    const GroupTiles in = group_tiles(sh().scores()), probs = group_tiles(composed_tiles());
+    for (int round = 0; round < compose_rounds(blk_, region(), geo_.compose_parts); ++round) {
+      const ComposeItem it = compose_item(blk_, region(), geo_.M, geo_.compose_parts, round);
+      Projections proj;
+      proj.zero();
+      if (it.valid)
+        for (int m = it.head0; m < it.head0 + it.heads; ++m) {
+          float x[kComposeRows];
+          load_item(blk_, in.head(blk_, m), it, x);
+          proj.add(blk_, pre, it, m, x);
+        }
+      proj.reduce(blk_, geo_.compose_parts);
+      detail::KeyRange ranges[kComposeRows];
+      item_ranges(it, ranges);
+      // Probabilities, stored for Compose_post (in place of the scores without a static W), and
+      // their projections for Compose_post.
+      Projections post_proj;
+      post_proj.zero();
+      if (it.valid)
+        for (int n = it.head0; n < it.head0 + it.heads; ++n) {
+          float x[kComposeRows], y[kComposeRows];
+          load_item(blk_, in.head(blk_, n), it, x);
+          compose_head(blk_, pre, it, proj, n, x, y);
+          if (pre.terms.static_w) add_static_term(blk_, pre, in, it, n, y);
+          probabilities(it, n, ranges, s0, y);
+          const ScoreTile t = probs.head(blk_, n);
+          DCMHA_UNROLL
+          for (int i = 0; i < kComposeRows; ++i)
+            if (i < it.rows) blk_.store_shared(t.at(it.row0 + i, it.key), y[i]);
+          post_proj.add(blk_, post, it, n, y);
+        }
+      post_proj.reduce(blk_, geo_.compose_parts);
+      // A static W reads the other parts' probabilities: the item's lanes are one warp.
+      if (post.terms.static_w) blk_.sync_warp();
+      if (!it.valid) continue;
+      for (int n = it.head0; n < it.head0 + it.heads; ++n) {
+        float x[kComposeRows], y[kComposeRows];
+        load_item(blk_, probs.head(blk_, n), it, x);
+        compose_head(blk_, post, it, post_proj, n, x, y);
+        if (post.terms.static_w) add_static_term(blk_, post, probs, it, n, y);
+        const OperandTile<T> t = sh().probs().head(n % geo_.own_heads);
+        DCMHA_UNROLL
+        for (int i = 0; i < kComposeRows; ++i)
+          if (i < it.rows)
+            blk_.store_shared(blk_.peer_shared(t.at(it.row0 + i, it.key), n / geo_.own_heads),
+                              T(ranges[i].contains(s0 + it.key) ? y[i] : 0.0f));
+      }
+    }
+  }
+
+  /// y = exp(y - lse of head n) at the item's rows, 0 where invisible.
+  DCMHA_INLINE void probabilities(const ComposeItem& it, int n,
+                                  const detail::KeyRange (&ranges)[kComposeRows], index_t s0,
+                                  float (&y)[kComposeRows]) const {
+    using std::exp;
+    const float* lse =
+        blk_.peer_shared(sh().lse(), n / geo_.own_heads) + index_t(n % geo_.own_heads) * geo_.rows;
+    DCMHA_UNROLL
+    for (int i = 0; i < kComposeRows; ++i) {
+      if (i >= it.rows) continue;
+      const float l = blk_.load_shared(lse + it.row0 + i);
+      y[i] = ranges[i].contains(s0 + it.key) && l > detail::negative_infinity<float>()
+                 ? exp(y[i] - l)
+                 : 0.0f;
+    }
+    blk_.count_exp(it.rows);
+  }
+
+  // --- statistics and outputs ----------------------------------------------------------------
+
+  /// Each row's lse into shared memory (for pass 2: its compose reads every head's after the
+  /// cluster barrier that starts each key tile's compose) and, for the block's real rows, the
+  /// caller's lse.
+  DCMHA_INLINE void finish_statistics() {
+    const FragmentPlace f(blk_);
+    DCMHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0_ + f.row(2 * h);
+      const float l = state_[h].lse();
+      if (f.t == 0) {
+        blk_.store_shared(sh().lse() + index_t(own_) * geo_.rows + r, l);
+        if (r < rows_real_ && !p_.lse.empty()) blk_.store_global(&p_.lse(b_, head_, t0_ + r), l);
+      }
+    }
+  }
+
+  /// The warp's rows of the output, divided by the row sums (the online pass) or as they are.
+  DCMHA_INLINE void store_output(bool normalize) {
+    const FragmentPlace f(blk_);
+    const index_t qlen = query_length();
+    DCMHA_UNROLL
+    for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int r = row0_ + f.row(i), e = 8 * j + f.column(i);
+      if (r >= rows_real_ || e >= geo_.Dv) continue;
+      const float sum = state_[i / 2].sum;
+      float x = out_.c[j][i];
+      if (normalize) x = sum > 0 ? x / sum : 0.0f;
+      if (t0_ + r >= qlen) x = 0.0f;  // padding rows: zero output
+      blk_.store_global(&p_.out(b_, head_, t0_ + r, e), T(x));
+    }
+  }
+
+  // --- split keys --------------------------------------------------------------------------------
+
+  DCMHA_INLINE index_t row_index(int r) const {
+    return (b_ * p_.dims.H + head_) * p_.dims.T + t0_ + r;
+  }
+  DCMHA_INLINE index_t rows_total() const { return p_.dims.B * p_.dims.H * p_.dims.T; }
+
+  DCMHA_INLINE void store_split_statistics() {
+    const FragmentPlace f(blk_);
+    DCMHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0_ + f.row(2 * h);
+      if (f.t != 0 || r >= rows_real_) continue;
+      float* stats = split_.stats + 2 * (split_index_ * rows_total() + row_index(r));
+      blk_.store_global(stats, state_[h].max);
+      blk_.store_global(stats + 1, state_[h].sum);
+    }
+  }
+
+  DCMHA_INLINE void load_split_lse() {
+    const FragmentPlace f(blk_);
+    DCMHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0_ + f.row(2 * h);
+      if (f.t != 0) continue;
+      const float l = r < rows_real_ ? blk_.load_global(split_.lse + row_index(r))
+                                     : detail::negative_infinity<float>();
+      blk_.store_shared(sh().lse() + index_t(own_) * geo_.rows + r, l);
+    }
+  }
+
+  DCMHA_INLINE void store_split_output() {
+    const FragmentPlace f(blk_);
+    DCMHA_UNROLL
+    for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int r = row0_ + f.row(i), e = 8 * j + f.column(i);
+      if (r >= rows_real_ || e >= geo_.Dv) continue;
+      blk_.store_global(split_.out + (split_index_ * rows_total() + row_index(r)) * p_.dims.Dv + e,
+                        out_.c[j][i]);
+    }
+  }
+
+  DCMHA_INLINE ForwardTiles<T, kHeadDim> sh() const { return {geo_, blk_.shared()}; }
 
   const Block& blk_;
   const detail::ForwardParams<T>& p_;
-  TileGeometry geo_;
-  ForwardShared<A> sh_;
-  KeySplit<A> split_;
-  index_t split_index_ = 0;
-  TilePlace at_;
+  const ForwardGeometry& geo_;
+  KeySplit split_;
+  detail::RowMask mask_;
+  int rank_ = 0, tile_ = 0, own_ = 0, row0_ = 0, kv_slot_ = 0, slice_begin_ = 0, rows_real_ = 0;
+  int split_index_ = 0;
+  index_t g_ = 0, b_ = 0, t0_ = 0, head_ = 0, kv_first_ = 0;
+  FragmentRows rows_;
+  detail::SoftmaxState<float> state_[2];
+  Values out_;
 };
 
 /// A split forward's second launch, one block per sequence: each row's lse from the splits'
-/// statistics, combined in split order (and written to the caller's lse, if kept).
+/// statistics, merged in split order (and written to the caller's lse, if kept).
 template <class Block, class T>
-DCMHA_HOST_DEVICE void combine_split_statistics(const Block& blk, const detail::ForwardParams<T>& p,
-                                                const KeySplit<acc_t<T>>& split) {
-  using A = acc_t<T>;
-  using std::exp;
-  using std::log;
+DCMHA_INLINE void combine_split_statistics(const Block& blk, const detail::ForwardParams<T>& p,
+                                           const KeySplit& split) {
   const index_t b = blk.block(0), H = p.dims.H, T_ = p.dims.T;
   const index_t rows_total = p.dims.B * H * T_;
-  for_each_owned(blk, H * T_, [&](index_t item) {
+  for (index_t item = blk.thread(); item < H * T_; item += blk.threads()) {
     const index_t row = b * H * T_ + item;
-    A max = negative_infinity<A>();
-    for (index_t s = 0; s < split.count; ++s) {
-      const A m = split.stats[2 * (s * rows_total + row)];
-      max = m > max ? m : max;
-    }
-    A sum = 0;
-    for (index_t s = 0; s < split.count; ++s) {
-      const A* stats = split.stats + 2 * (s * rows_total + row);
-      if (stats[0] > negative_infinity<A>()) sum += stats[1] * exp(stats[0] - max);
-    }
-    const A lse = sum > 0 ? max + log(sum) : negative_infinity<A>();
-    split.lse[row] = lse;
-    if (!p.lse.empty()) p.lse(b, item / T_, item % T_) = lse;
-  });
+    const detail::SoftmaxState<float> total = detail::merge_states<float>(split.count, [&](int s) {
+      detail::SoftmaxState<float> st;
+      st.max = blk.load_global(split.stats + 2 * (s * rows_total + row));
+      st.sum = blk.load_global(split.stats + 2 * (s * rows_total + row) + 1);
+      return st;
+    });
+    blk.store_global(split.lse + row, total.lse());
+    if (!p.lse.empty()) blk.store_global(&p.lse(b, item / T_, item % T_), total.lse());
+  }
 }
 
 /// A split forward's last launch, one block per sequence: out = the splits' P'V summed in split
-/// order, rounded once.
+/// order, rounded once; padding rows are zeros.
 template <class Block, class T>
-DCMHA_HOST_DEVICE void sum_split_outputs(const Block& blk, const detail::ForwardParams<T>& p,
-                                         const KeySplit<acc_t<T>>& split) {
-  using A = acc_t<T>;
+DCMHA_INLINE void sum_split_outputs(const Block& blk, const detail::ForwardParams<T>& p,
+                                    const KeySplit& split) {
   const index_t b = blk.block(0), H = p.dims.H, T_ = p.dims.T, Dv = p.dims.Dv;
   const index_t rows_total = p.dims.B * H * T_;
-  for_each_owned(blk, H * T_ * Dv, [&](index_t item) {
-    const index_t row = b * H * T_ + item / Dv, e = item % Dv;
-    A sum = 0;
-    for (index_t s = 0; s < split.count; ++s) sum += split.out[(s * rows_total + row) * Dv + e];
-    p.out(b, item / Dv / T_, item / Dv % T_, e) = T(sum);
-  });
+  const index_t qlen = detail::sequence_length(p.mask.query_lengths, b, T_);
+  for (index_t item = blk.thread(); item < H * T_ * Dv; item += blk.threads()) {
+    const index_t row = b * H * T_ + item / Dv, e = item % Dv, t = item / Dv % T_;
+    float sum = 0;
+    if (t < qlen)
+      for (int s = 0; s < split.count; ++s)
+        sum += blk.load_global(split.out + (s * rows_total + row) * Dv + e);
+    blk.store_global(&p.out(b, item / Dv / T_, t, e), T(sum));
+  }
 }
 
 }  // namespace dcmha::cuda

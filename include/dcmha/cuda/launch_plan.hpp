@@ -1,203 +1,325 @@
 #pragma once
-// How a call is cut into blocks: the tile geometry each kernel runs with, its shared memory and
-// its grid. One plan serves the GPU launches (runtime.hpp) and the host execution (emulate.hpp),
-// so both run the same tiles.
+// How a call is cut into blocks: the head-dim class the kernels are compiled for, the tile
+// geometry, each kernel's shared memory, cluster and grid. One plan serves the GPU launches
+// (runtime.hpp) and the emulator (emulate.hpp), so both run the same tiles.
+//
+// The plan's choices, in order (docs/design.md says why):
+//   - the head-dim class: the smallest of 32, 64, 96, 128, 256 holding D and Dv (padded with
+//   zeros);
+//   - the cluster: the M heads of a compose group are split over `cluster` blocks of one cluster
+//     (a divisor of M, at most the device's cluster size), each owning M / cluster heads;
+//   - the rows: the most (up to 128) whose tiles fit the shared memory, with one warp per
+//     (own head, 16 rows) and at most 8 warps; among equal rows, the smallest cluster;
+//   - key splits where the query tiles are few and the keys many (decode).
 #include <algorithm>
+#include <string>
 
+#include "../common/compose_terms.hpp"
 #include "../error.hpp"
-#include "backward_kernel.hpp"
-#include "forward_kernel.hpp"
+#include "../params.hpp"
+#include "emulator/emulator.hpp"
+#include "backward_geometry.hpp"
+#include "forward_geometry.hpp"
+#include "staging.hpp"
 
 namespace dcmha::cuda {
 
-/// Shared memory a block may use: within what sm_80 (164 KiB) and sm_90 (227 KiB) give one
-/// block after opting in, leaving room for a second block per multiprocessor on sm_90.
-constexpr index_t kSharedMemoryBudget = 96 * 1024;
-/// Keys per step and threads per block unless the caller's LaunchOptions say otherwise.
-constexpr index_t kDefaultKeysPerStep = 32;
-constexpr int kDefaultThreads = 128;
-/// A forward with fewer query blocks than this splits its keys across blocks (two blocks per
-/// multiprocessor of an H100 / H200), each split keeping at least kMinStepsPerSplit key steps.
-constexpr index_t kTargetBlocks = 264;
-constexpr index_t kMinStepsPerSplit = 4;
+/// What the device allows one block: shared memory after opting in, threads of a cluster.
+struct DeviceLimits {
+  index_t shared_bytes = 227 * 1024;  // sm_90 (sm_80: 163 KiB)
+  int max_cluster = 8;                // portable cluster size on sm_90; 1 before
+  int multiprocessors = 132;
+
+  static DeviceLimits sm90() { return {}; }
+  static DeviceLimits sm80() { return {163 * 1024, 1, 108}; }
+};
 
 /// Overrides for tests and tuning: 0 keeps the planned value.
 struct LaunchOptions {
-  int threads = 0;
-  index_t rows = 0;          // query rows per block
-  index_t keys = 0;          // keys per step
-  index_t key_splits = 0;    // forward: blocks that share a query tile's keys (1: no split)
-  bool tensor_cores = true;  // bf16: products on tensor cores where the shapes allow
+  index_t rows = 0;        // query rows per block (a multiple of 16): forward, backward query side
+  index_t key_rows = 0;    // keys per block of the backward's key side (a multiple of 16)
+  int cluster = 0;         // blocks sharing a group's heads
+  index_t key_splits = 0;  // forward: blocks that share a query tile's keys (1: no split)
+  DeviceLimits device;     // what the plan may use (an sm_90 unless device_given)
+  bool device_given = false;  // on a GPU, false: the current device's limits
 };
 
-struct Grid3 {
-  index_t x = 1, y = 1, z = 1;
-};
+/// Warps per block at most: each thread may then keep up to 255 registers (runtime.hpp's
+/// __launch_bounds__).
+constexpr int kMaxWarps = 8;
 
+/// The head-dim classes the kernels are compiled for.
+constexpr int kHeadDims[] = {32, 64, 96, 128, 256};
+
+inline int head_dim_class(const char* fn, index_t D, index_t Dv) {
+  const index_t widest = std::max(D, Dv);
+  for (int c : kHeadDims)
+    if (widest <= c) return c;
+  detail::fail(fn, ": head dim ", widest, " (max of D and Dv): expected at most 256");
+  return 0;
+}
+
+/// Calls f(std::integral_constant<int, kHeadDim>) for the class.
+template <class F>
+decltype(auto) dispatch_head_dim(int head_dim, F&& f) {
+  switch (head_dim) {
+    case 32:
+      return f(std::integral_constant<int, 32>{});
+    case 64:
+      return f(std::integral_constant<int, 64>{});
+    case 96:
+      return f(std::integral_constant<int, 96>{});
+    case 128:
+      return f(std::integral_constant<int, 128>{});
+    default:
+      return f(std::integral_constant<int, 256>{});
+  }
+}
+
+/// One kernel launch: its shape (grid, threads, shared memory, cluster).
 struct KernelLaunch {
-  TileGeometry geo;
-  int threads = kDefaultThreads;
-  index_t shared_bytes = 0;
-  Grid3 grid;
+  emulator::LaunchShape shape;
+  index_t shared_bytes() const { return index_t(shape.shared_bytes); }
 };
 
 template <class T>
-index_t largest_rank(const ComposeWeights<T>& c) {
-  return std::max({query_rank(c.pre), key_rank(c.pre), query_rank(c.post), key_rank(c.post)});
+detail::ComposeTermSets checked_terms(const char* fn, const ComposeWeights<T>& c) {
+  const detail::ComposeTermSets terms = detail::ComposeTermSets::of(c);
+  if (terms.largest_rank() > kMaxRank)
+    detail::fail(fn, ": compose rank R ", terms.largest_rank(), ": expected at most ", kMaxRank,
+                 " on the CUDA backend");
+  return terms;
 }
 
-/// The largest power-of-two row count up to 16 (and up to T) whose shared memory fits the
-/// budget; throws when even one row does not.
-template <class Shared>
-TileGeometry fit_rows(const char* fn, TileGeometry geo, index_t T, const LaunchOptions& opt) {
-  if (opt.rows > 0) {
-    geo.rows = opt.rows;
-    return geo;
+/// The compose parts: enough lanes per item that the block's threads are busy, dividing M.
+inline int compose_parts(int M, int slice_rows, int threads) {
+  const int items = (slice_rows + kComposeRows - 1) / kComposeRows * kKeys;
+  int parts = 1;
+  while (parts < 8 && M % (2 * parts) == 0 && items * parts * 2 <= threads) parts *= 2;
+  return parts;
+}
+
+/// The largest cluster the device may use that divides M and is at most `limit`.
+inline int cluster_candidates(int M, int limit, int (&out)[5]) {
+  int n = 0;
+  for (int c = 1; c <= limit && c <= M; c *= 2)
+    if (M % c == 0) out[n++] = c;
+  return n;
+}
+
+/// Picks cluster and rows for a block geometry whose shared bytes `bytes(geo)` gives: the most
+/// rows that fit, then the smallest cluster. `max_rows` bounds the rows (the problem's T).
+template <class Bytes, class Geometry>
+bool fit_tiles(Geometry& geo, int M, index_t max_rows, index_t forced_rows,
+               const LaunchOptions& opt, Bytes&& bytes) {
+  int clusters[5];
+  const int n = opt.cluster > 0 ? (clusters[0] = opt.cluster, 1)
+                                : cluster_candidates(M, opt.device.max_cluster, clusters);
+  const int row_options[] = {128, 64, 32, 16};
+  for (int rows : row_options) {
+    if (forced_rows > 0 && rows != forced_rows) continue;
+    if (forced_rows == 0 && rows > 16 && rows / 2 >= max_rows) continue;  // taller than needed
+    for (int i = 0; i < n; ++i) {
+      const int c = clusters[i];
+      if (M % c != 0) continue;
+      const int own = M / c, warps = own * rows / 16;
+      if (warps > kMaxWarps || rows < c) continue;
+      geo.M = M, geo.cluster = c, geo.own_heads = own, geo.rows = rows, geo.warps = warps;
+      if (bytes(geo) <= opt.device.shared_bytes) return true;
+    }
   }
-  index_t rows = 16;
-  while (rows > 1 && rows / 2 >= T) rows /= 2;
-  for (; rows >= 1; rows /= 2) {
-    geo.rows = rows;
-    if (shared_bytes<Shared>(geo) <= kSharedMemoryBudget) return geo;
+  return false;
+}
+
+/// The kv heads the own heads of one block read (GQA): the most of any block.
+inline int kv_slots_of(index_t H, index_t Hk, int own_heads) {
+  const index_t per_kv = H / Hk;
+  int most = 1;
+  for (index_t h0 = 0; h0 < H; h0 += own_heads) {
+    const index_t first = h0 / per_kv, last = (h0 + own_heads - 1) / per_kv;
+    most = std::max<int>(most, int(last - first + 1));
   }
-  detail::fail(fn, ": the problem needs ", shared_bytes<Shared>(geo),
-               " bytes of shared memory per ", "block (M = ", geo.M,
-               " heads per group, D = ", geo.D, ", Dv = ", geo.Dv, "), expected at most ",
-               kSharedMemoryBudget);
-  return geo;
+  return most;
 }
 
-template <class T>
-TileGeometry base_geometry(const detail::QkvParams<T>& p, const LaunchOptions& opt) {
-  TileGeometry geo;
-  geo.M = p.dims.M;
-  geo.D = p.dims.D;
-  geo.Dv = p.dims.Dv;
-  geo.rank = largest_rank(p.compose);
-  geo.keys = opt.keys > 0 ? opt.keys : std::min<index_t>(kDefaultKeysPerStep, p.dims.S);
-  return geo;
-}
-
-/// geo with as many warps staging for the tensor cores as the budget leaves room for (every warp
-/// of the block first, halving down to one), or none where the shapes or the options rule them
-/// out. The rows are the scalar plan's: the tensor cores take what memory the tile leaves.
-template <class T, class... Shared>
-TileGeometry with_tensor_cores(TileGeometry geo, const LaunchOptions& opt) {
-  const int threads = opt.threads > 0 ? opt.threads : kDefaultThreads;
-  if (!opt.tensor_cores || !tensor_core_shape<T>(geo, threads)) return geo;
-  for (index_t warps = threads / kWarpSize; warps >= 1; warps /= 2) {
-    geo.tensor_warps = warps;
-    if (((shared_bytes<Shared>(geo) <= kSharedMemoryBudget) && ...)) return geo;
-  }
-  geo.tensor_warps = 0;
-  return geo;
-}
-
-template <class Shared>
-KernelLaunch finish_launch(const TileGeometry& geo, const LaunchOptions& opt, Grid3 grid) {
-  KernelLaunch l;
-  l.geo = geo;
-  l.threads = opt.threads > 0 ? opt.threads : kDefaultThreads;
-  l.shared_bytes = shared_bytes<Shared>(geo);
-  l.grid = grid;
-  return l;
-}
-
-/// Forward: one block per (query tile, group, sequence), times the key splits; with splits,
-/// also the per-sequence launches that combine them (ForwardKernel, KeySplit).
+/// A forward: its blocks and, with split keys, the per-sequence launches that combine them.
 struct ForwardLaunch {
+  int head_dim = 128;
+  ForwardGeometry geo;
   KernelLaunch blocks;
-  index_t splits = 1;
   KernelLaunch per_sequence;  // combine_split_statistics, sum_split_outputs: one block each
 
-  /// Elements of the split scratch (0 without splits).
   index_t scratch_elements(const detail::AttentionDims& d) const {
-    return splits > 1 ? d.B * d.H * d.T * (2 * splits + 1 + splits * d.Dv) : 0;
+    return geo.splits > 1 ? d.B * d.H * d.T * (2 * geo.splits + 1 + geo.splits * d.Dv) : 0;
   }
-  template <class A>
-  KeySplit<A> carve(A* base, const detail::AttentionDims& d) const {
-    KeySplit<A> k;
-    k.count = splits;
-    if (splits == 1) return k;
+  KeySplit carve(float* base, const detail::AttentionDims& d) const {
+    KeySplit k;
+    k.count = geo.splits;
+    if (geo.splits == 1) return k;
     const index_t rows = d.B * d.H * d.T;
     k.stats = base;
-    k.lse = k.stats + 2 * splits * rows;
+    k.lse = k.stats + 2 * geo.splits * rows;
     k.out = k.lse + rows;
     return k;
   }
+  /// The blocks' geometry in one phase (the split launches run pass by pass); the layout stays
+  /// the whole forward's, which holds every phase's arrays.
+  ForwardGeometry phase(ForwardPhase p) const {
+    ForwardGeometry g = geo;
+    g.phase = p;
+    return g;
+  }
 };
+
+/// A forward whose query tiles are fewer than this splits its keys (two blocks per
+/// multiprocessor), each split keeping at least kMinTilesPerSplit key tiles.
+constexpr index_t kMinTilesPerSplit = 4;
 
 template <class T>
 ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
                              const LaunchOptions& opt = {}) {
-  using Shared = ForwardShared<acc_t<T>>;
-  const TileGeometry geo =
-      with_tensor_cores<T, Shared>(fit_rows<Shared>(fn, base_geometry(p, opt), p.dims.T, opt), opt);
-  const index_t tiles = (p.dims.T + geo.rows - 1) / geo.rows;
-  const index_t blocks = tiles * p.dims.G * p.dims.B;
-  const index_t steps = (p.dims.S + geo.keys - 1) / geo.keys;
   ForwardLaunch l;
-  l.splits =
-      opt.key_splits > 0
-          ? opt.key_splits
-          : std::max<index_t>(1, std::min(kTargetBlocks / blocks, steps / kMinStepsPerSplit));
-  l.splits = std::min<index_t>(l.splits, 65535 / p.dims.B);  // grid z = splits * B
-  l.blocks = finish_launch<Shared>(geo, opt, {tiles, p.dims.G, p.dims.B * l.splits});
-  l.per_sequence = finish_launch<Shared>(geo, opt, {p.dims.B, 1, 1});
-  l.per_sequence.shared_bytes = 0;
+  l.head_dim = head_dim_class(fn, p.dims.D, p.dims.Dv);
+  ForwardGeometry& geo = l.geo;
+  geo.terms = checked_terms(fn, p.compose);
+  geo.mode = geo.terms.post.enabled()                           ? ForwardMode::two_pass
+             : (geo.terms.pre.enabled() || !kTensorCoreType<T>) ? ForwardMode::one_pass
+                                                                : ForwardMode::registers;
+  geo.D = int(p.dims.D), geo.Dv = int(p.dims.Dv);
+  geo.chunked_q = rows_are_chunked(p.q);
+  geo.chunked_k = rows_are_chunked(p.k);
+  geo.chunked_v = rows_are_chunked(p.v);
+  const bool fits = dispatch_head_dim(l.head_dim, [&](auto head_dim) {
+    return fit_tiles(geo, int(p.dims.M), p.dims.T, opt.rows, opt, [&](ForwardGeometry& g) {
+      g.kv_slots = kv_slots_of(p.dims.H, p.dims.Hk, g.own_heads);
+      g.slice_rows = g.rows / g.cluster;
+      g.compose_parts = compose_parts(g.M, g.slice_rows, g.threads());
+      g.template lay_out<T, decltype(head_dim)::value>();
+      return g.shared_bytes;
+    });
+  });
+  if (!fits)
+    detail::fail(fn, ": no tile of at least 16 rows fits ", opt.device.shared_bytes,
+                 " bytes of shared memory per block with a cluster of at most ",
+                 opt.device.max_cluster, " blocks (M = ", p.dims.M,
+                 " heads per group, D = ", p.dims.D, ", Dv = ", p.dims.Dv, ")");
+  const index_t tiles = (p.dims.T + geo.rows - 1) / geo.rows;
+  const index_t clusters = tiles * p.dims.G * p.dims.B;
+  const index_t key_tiles = (p.dims.S + kKeys - 1) / kKeys;
+  const index_t target = 2 * opt.device.multiprocessors / geo.cluster;
+  geo.splits =
+      int(opt.key_splits > 0
+              ? opt.key_splits
+              : std::max<index_t>(1, std::min(target / clusters, key_tiles / kMinTilesPerSplit)));
+  geo.splits = int(std::min<index_t>(geo.splits, 65535 / p.dims.B));
+  l.blocks.shape.shared_bytes = std::size_t(geo.shared_bytes);
+  l.blocks.shape.x = tiles * geo.cluster;
+  l.blocks.shape.y = p.dims.G;
+  l.blocks.shape.z = p.dims.B * geo.splits;
+  l.blocks.shape.threads = geo.threads();
+  l.blocks.shape.cluster = geo.cluster;
+  l.per_sequence.shape.x = p.dims.B;
+  l.per_sequence.shape.threads = 256;
   return l;
 }
 
-/// Backward: the query side's launch (one block per query tile, group, sequence), the key
-/// side's (one per key tile, sequence) and the static sums' (one per side, group), which share
-/// one geometry so that the key side walks the query side's tiles.
+/// A backward: the query side's launch, the key side's, and the sums after them.
 struct BackwardLaunch {
-  KernelLaunch query, key, static_sums;
+  int head_dim = 128;
+  BackwardGeometry query, key;
+  KernelLaunch query_blocks, key_blocks;
+  KernelLaunch static_sums;  // one block per (side, group), where a side has a static W
+  KernelLaunch head_sums;    // one block per (kv head, sequence), with GQA
 };
 
-template <class T>
-BackwardLaunch backward_launch(const char* fn, const detail::BackwardParams<T>& p,
-                               const LaunchOptions& opt = {}) {
-  using A = acc_t<T>;
-  const TileGeometry geo = with_tensor_cores<T, QueryGradShared<A>, KeyGradShared<A>>(
-      fit_rows<QueryGradShared<A>>(fn, base_geometry(p, opt), p.dims.T, opt), opt);
-  if (shared_bytes<KeyGradShared<A>>(geo) > kSharedMemoryBudget)
-    detail::fail(fn, ": the key side needs ", shared_bytes<KeyGradShared<A>>(geo),
-                 " bytes of shared memory per block, expected at most ", kSharedMemoryBudget);
-  const index_t query_tiles = (p.dims.T + geo.rows - 1) / geo.rows;
-  const index_t key_tiles = (p.dims.S + geo.keys - 1) / geo.keys;
-  BackwardLaunch l;
-  l.query = finish_launch<QueryGradShared<A>>(geo, opt, {query_tiles, p.dims.G, p.dims.B});
-  l.key = finish_launch<KeyGradShared<A>>(geo, opt, {key_tiles, p.dims.B, 1});
-  l.static_sums = finish_launch<QueryGradShared<A>>(geo, opt, {2, p.dims.G, 1});
-  l.static_sums.shared_bytes = 0;
-  return l;
-}
-
-/// Elements of each backward scratch array.
+/// Elements of each backward scratch array (floats).
 struct BackwardScratchSizes {
-  index_t row_dot = 0, dk = 0, dv = 0, static_partials = 0;
-  index_t total() const { return row_dot + dk + dv + static_partials; }
+  index_t row_dot = 0, static_partials = 0, dk = 0, dv = 0;
+  index_t total() const { return row_dot + static_partials + dk + dv; }
 };
 
 inline BackwardScratchSizes backward_scratch_sizes(const detail::AttentionDims& d,
                                                    const BackwardLaunch& l) {
   BackwardScratchSizes s;
   s.row_dot = d.B * d.H * d.T;
-  s.dk = d.B * d.Hk * d.S * d.D;
-  s.dv = d.B * d.Hk * d.S * d.Dv;
-  s.static_partials = l.query.grid.x * l.query.grid.y * l.query.grid.z * 2 * d.M * d.M;
+  const bool any_static = l.query.terms.pre.static_w || l.query.terms.post.static_w;
+  if (any_static)
+    s.static_partials = d.B * d.G * ((d.T + l.query.rows - 1) / l.query.rows) * 2 * d.M * d.M;
+  if (l.key.dkv_per_head) {
+    s.dk = d.B * d.H * d.S * d.D;
+    s.dv = d.B * d.H * d.S * d.Dv;
+  }
   return s;
 }
 
-template <class A>
-BackwardScratch<A> carve_scratch(A* base, const BackwardScratchSizes& s) {
-  BackwardScratch<A> scratch;
+/// The scratch's arrays; the static partials must start zeroed (the query side adds to them).
+inline BackwardScratch carve_scratch(float* base, const BackwardScratchSizes& s) {
+  BackwardScratch scratch;
   scratch.row_dot = base;
-  scratch.dk = scratch.row_dot + s.row_dot;
+  scratch.static_partials = base + s.row_dot;
+  scratch.dk = scratch.static_partials + s.static_partials;
   scratch.dv = scratch.dk + s.dk;
-  scratch.static_partials = scratch.dv + s.dv;
   return scratch;
+}
+
+template <class T>
+BackwardLaunch backward_launch(const char* fn, const detail::BackwardParams<T>& p,
+                               const LaunchOptions& opt = {}) {
+  BackwardLaunch l;
+  l.head_dim = head_dim_class(fn, p.dims.D, p.dims.Dv);
+  BackwardGeometry base;
+  base.terms = checked_terms(fn, p.compose);
+  base.registers = kTensorCoreType<T> && !base.terms.enabled();
+  base.D = int(p.dims.D), base.Dv = int(p.dims.Dv);
+  base.chunked_q = rows_are_chunked(p.q);
+  base.chunked_k = rows_are_chunked(p.k);
+  base.chunked_v = rows_are_chunked(p.v);
+  base.chunked_dout = rows_are_chunked(p.dout);
+  base.dkv_per_head = p.dims.H != p.dims.Hk;
+  l.query = l.key = base;
+  auto fit = [&](BackwardGeometry& geo, index_t extent, index_t forced_rows, auto&& bytes) {
+    const bool ok =
+        fit_tiles(geo, int(p.dims.M), extent, forced_rows, opt, [&](BackwardGeometry& g) {
+          g.kv_slots = kv_slots_of(p.dims.H, p.dims.Hk, g.own_heads);
+          g.slice = g.rows / g.cluster;
+          g.compose_parts = compose_parts(g.M, g.slice, g.threads());
+          return bytes(g);
+        });
+    if (!ok)
+      detail::fail(fn, ": no tile of at least 16 rows fits ", opt.device.shared_bytes,
+                   " bytes of shared memory per block with a cluster of at most ",
+                   opt.device.max_cluster, " blocks (M = ", p.dims.M,
+                   " heads per group, D = ", p.dims.D, ", Dv = ", p.dims.Dv, ")");
+  };
+  l.key.key_side = true;
+  dispatch_head_dim(l.head_dim, [&](auto head_dim) {
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    auto bytes = [](BackwardGeometry& g) {
+      g.template lay_out<T, kHeadDim>();
+      return g.shared_bytes;
+    };
+    fit(l.query, p.dims.T, opt.rows, bytes);
+    fit(l.key, p.dims.S, opt.key_rows, bytes);
+    return 0;
+  });
+  l.query_blocks.shape.shared_bytes = std::size_t(l.query.shared_bytes);
+  l.key_blocks.shape.shared_bytes = std::size_t(l.key.shared_bytes);
+  auto grid = [&](KernelLaunch& k, const BackwardGeometry& g, index_t extent) {
+    k.shape.x = (extent + g.rows - 1) / g.rows * g.cluster;
+    k.shape.y = p.dims.G;
+    k.shape.z = p.dims.B;
+    k.shape.threads = g.threads();
+    k.shape.cluster = g.cluster;
+  };
+  grid(l.query_blocks, l.query, p.dims.T);
+  grid(l.key_blocks, l.key, p.dims.S);
+  l.static_sums.shape.x = 2;
+  l.static_sums.shape.y = p.dims.G;
+  l.static_sums.shape.threads = 256;
+  l.head_sums.shape.x = p.dims.Hk;
+  l.head_sums.shape.y = p.dims.B;
+  l.head_sums.shape.threads = 256;
+  return l;
 }
 
 }  // namespace dcmha::cuda

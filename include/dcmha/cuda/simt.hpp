@@ -1,38 +1,53 @@
 #pragma once
 // The execution model the CUDA kernels are written against: a kernel body is a function of a
 // Block, what one thread sees of its thread block. Under nvcc DeviceBlock maps it onto CUDA's
-// built-ins; simt_host.hpp runs the same bodies on host threads (the tests, CI without a GPU).
+// built-ins and PTX; emulator/emulator.hpp's HostBlock runs the same bodies on the host, lane by
+// lane, with the same instruction semantics (the tests, CI without a GPU).
 //
-//   blk.thread(), blk.threads()   this thread's index in the block, the block's thread count
-//   blk.block(0..2)               the block's index in the grid (x, y, z)
-//   blk.sync()                    __syncthreads(): every thread of the block arrives first
-//   blk.sync_warp()               __syncwarp(): every thread of this thread's warp arrives first
-//   blk.shared()                  the block's dynamic shared memory
+//   identity     thread(), threads(), block(axis), cluster_rank(), cluster_size()
+//   barriers     sync() (__syncthreads), sync_warp() (__syncwarp), sync_cluster() (a cluster's
+//                barrier.cluster arrive.release + wait.acquire)
+//   shared       shared() (dynamic shared memory), peer_shared(p, rank) (the same offset in
+//                cluster block `rank`'s shared memory), load_shared / store_shared
+//   global       load_global / store_global
+//   warp         shfl_xor, ldmatrix_x4 / _x2 (and .trans), mma_bf16 / mma_f16
+//                (mma.sync.m16n8k16, f32 accumulators, d += a b)
+//   async        cp_async_16 (cp.async.cg, 16 bytes, zeros where not valid), cp_async_commit,
+//                cp_async_wait<N> (wait_group N)
+//   counting     count_fma, count_exp: CUDA-core work the emulator's cost model counts (nothing
+//                on the device)
 //
-// Besides these six the kernels use the tensor-core products of warp_matrix.hpp, which the
-// execution layer need not know: off the device they are plain loops over each lane's results.
+// Kernels touch shared memory only through these calls, so that the emulator sees every access.
+#include <cstdint>
+
 #include "../tensor.hpp"
+
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#include <cooperative_groups.h>
+#endif
+#endif
 
 namespace dcmha::cuda {
 
-/// Threads per warp: the unit of sync_warp() and of the tensor-core products.
+/// Threads per warp: the unit of sync_warp(), shuffles and the tensor-core instructions.
 constexpr int kWarpSize = 32;
 
 template <class Block>
-DCMHA_HOST_DEVICE int lane_of(const Block& blk) {
+DCMHA_INLINE int lane_of(const Block& blk) {
   return blk.thread() % kWarpSize;
 }
 template <class Block>
-DCMHA_HOST_DEVICE int warp_of(const Block& blk) {
+DCMHA_INLINE int warp_of(const Block& blk) {
   return blk.thread() / kWarpSize;
 }
 
 /// Calls f(i) for the items i in [0, n) that thread blk.thread() owns: i = thread, thread +
-/// threads, ... The same thread owns the same items in every call with the same n, which is what
-/// lets a thread keep accumulating into the items it owns without a barrier between tiles.
+/// threads, ... The same thread owns the same items in every call with the same n.
 template <class Block, class F>
-DCMHA_HOST_DEVICE void for_each_owned(const Block& blk, index_t n, F&& f) {
-  for (index_t i = blk.thread(); i < n; i += blk.threads()) f(i);
+DCMHA_INLINE void for_each_owned(const Block& blk, int n, F&& f) {
+  for (int i = blk.thread(); i < n; i += blk.threads()) f(i);
 }
 
 #if defined(__CUDACC__)
@@ -42,13 +57,111 @@ struct DeviceBlock {
   __device__ index_t block(int axis) const {
     return axis == 0 ? blockIdx.x : axis == 1 ? blockIdx.y : blockIdx.z;
   }
-  __device__ void sync() const { __syncthreads(); }
-  __device__ void sync_warp() const { __syncwarp(); }
   __device__ void* shared() const {
-    // 128-byte aligned: every scalar type and the tensor-core loads (32 bytes) start aligned.
-    extern __shared__ __align__(128) double dcmha_dynamic_shared[];
+    // 128-byte aligned: ldmatrix rows and cp.async destinations (16 bytes) start aligned.
+    extern __shared__ __align__(128) unsigned char dcmha_dynamic_shared[];
     return dcmha_dynamic_shared;
   }
+  __device__ void sync() const { __syncthreads(); }
+  __device__ void sync_warp() const { __syncwarp(); }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __device__ int cluster_rank() const {
+    return static_cast<int>(cooperative_groups::this_cluster().block_rank());
+  }
+  __device__ int cluster_size() const {
+    return static_cast<int>(cooperative_groups::this_cluster().num_blocks());
+  }
+  __device__ void sync_cluster() const { cooperative_groups::this_cluster().sync(); }
+  template <class U>
+  __device__ U* peer_shared(U* local, int rank) const {
+    return cooperative_groups::this_cluster().map_shared_rank(local, static_cast<unsigned>(rank));
+  }
+#else
+  // Before sm_90 there are no clusters: every launch has clusters of one block.
+  __device__ int cluster_rank() const { return 0; }
+  __device__ int cluster_size() const { return 1; }
+  __device__ void sync_cluster() const { __syncthreads(); }
+  template <class U>
+  __device__ U* peer_shared(U* local, int) const {
+    return local;
+  }
+#endif
+
+  __device__ float shfl_xor(float v, int lane_mask) const {
+    return __shfl_xor_sync(0xffffffffu, v, lane_mask);
+  }
+
+  template <class U>
+  __device__ U load_shared(const U* p) const {
+    return *p;
+  }
+  template <class U>
+  __device__ void store_shared(U* p, const U& v) const {
+    *p = v;
+  }
+  template <class U>
+  __device__ U load_global(const U* p) const {
+    return *p;
+  }
+  template <class U>
+  __device__ void store_global(U* p, const U& v) const {
+    *p = v;
+  }
+  __device__ void count_fma(index_t) const {}
+  __device__ void count_exp(index_t) const {}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static __device__ unsigned shared_address(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+  }
+  __device__ void ldmatrix_x4(std::uint32_t (&r)[4], const void* row) const {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+  }
+  __device__ void ldmatrix_x4_trans(std::uint32_t (&r)[4], const void* row) const {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row)));
+  }
+  __device__ void ldmatrix_x2(std::uint32_t (&r)[2], const void* row) const {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(shared_address(row)));
+  }
+  __device__ void ldmatrix_x2_trans(std::uint32_t (&r)[2], const void* row) const {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(shared_address(row)));
+  }
+  __device__ void mma_bf16(float (&d)[4], const std::uint32_t (&a)[4],
+                           const std::uint32_t (&b)[2]) const {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  __device__ void mma_f16(float (&d)[4], const std::uint32_t (&a)[4],
+                          const std::uint32_t (&b)[2]) const {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  __device__ void cp_async_16(void* dst, const void* src, bool valid) const {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
+                 "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+  }
+  __device__ void cp_async_commit() const { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+  template <int N>
+  __device__ void cp_async_wait() const {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+  }
+#endif
 };
 #endif
 

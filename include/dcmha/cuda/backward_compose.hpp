@@ -1,0 +1,171 @@
+#pragma once
+// The backward's chain at one compose item (compose_pass.hpp), from the scores L and the
+// upstream dP' = dO V^T of all M heads:
+//   L' = Compose_pre(L), P = exp(L' - lse), dP = Compose_post^T(dP'),
+//   dL' = P (dP - D), dL = Compose_pre^T(dL'), and on the key side P' = Compose_post(P),
+// each head's results written to its owner's tiles, and the projections the compose weights'
+// gradients need (of each side's input and of its upstream gradient, along the kernel's axis)
+// into the composing block's sums. In the query side's first pass only P * dP is wanted (the row
+// dots D).
+#include <cmath>
+
+#include "backward_geometry.hpp"
+#include "compose_pass.hpp"
+
+namespace dcmha::cuda {
+
+/// What a chain item reads and writes.
+template <class T>
+struct ChainContext {
+  SideWeights<T> pre, post;
+  ChainTiles tiles;  // this block's, [own head]...
+  OperandTiles<T> dscores, values_probs;
+  const float* lse = nullptr;  // this block's [own head][rows]
+  const float* row_dot = nullptr;
+  int own_heads = 1, statistics_rows = 0;  // the lse / row-dot arrays' rows
+  ChainSums sums;
+  ComposeRegion region;
+  bool query_axis = true;  // the weight gradients summed along keys (query side) or rows
+  bool row_dots_only = false;
+  bool with_values_probs = false;
+
+  DCMHA_INLINE GroupTiles group(const ScoreTiles& t) const { return {t, own_heads}; }
+};
+
+/// The item's statistic (lse or D) of head n at its rows, from n's owner.
+template <class Block, class T>
+DCMHA_INLINE void load_statistic(const Block& blk, const ChainContext<T>& cx, const float* base,
+                                 const ComposeItem& it, int n, float (&out)[kComposeRows]) {
+  const float* owner =
+      blk.peer_shared(base, n / cx.own_heads) + index_t(n % cx.own_heads) * cx.statistics_rows;
+  DCMHA_UNROLL
+  for (int i = 0; i < kComposeRows; ++i)
+    out[i] = i < it.rows ? blk.load_shared(owner + it.row0 + i) : 0.0f;
+}
+
+/// Stores y[i] of head n at the item's rows into n's owner's tile.
+template <class Block>
+DCMHA_INLINE void store_item(const Block& blk, const ScoreTile& t, const ComposeItem& it,
+                             const float (&y)[kComposeRows]) {
+  DCMHA_UNROLL
+  for (int i = 0; i < kComposeRows; ++i)
+    if (i < it.rows) blk.store_shared(t.at(it.row0 + i, it.key), y[i]);
+}
+template <class Block, class T>
+DCMHA_INLINE void store_operand(const Block& blk, const OperandTiles<T>& tiles, int own_heads,
+                                const ComposeItem& it, int n, const float (&y)[kComposeRows]) {
+  const OperandTile<T> t = tiles.head(n % own_heads);
+  DCMHA_UNROLL
+  for (int i = 0; i < kComposeRows; ++i)
+    if (i < it.rows)
+      blk.store_shared(blk.peer_shared(t.at(it.row0 + i, it.key), n / own_heads), T(y[i]));
+}
+
+/// The projections along the kernel's axis into the composing block's sums: side 0 pre, 1 post;
+/// kind 0 of the input, 1 of the upstream gradient. One lane of the item's parts writes.
+template <class Block, class T>
+DCMHA_INLINE void store_sums(const Block& blk, const ChainContext<T>& cx, const ComposeItem& it,
+                             int side, int kind, const Projections& p) {
+  if (it.head0 != 0) return;
+  const SideWeights<T>& w = side == 0 ? cx.pre : cx.post;
+  const int R = int(cx.query_axis ? w.terms.query_rank : w.terms.key_rank);
+  DCMHA_UNROLL
+  for (int i = 0; i < kComposeRows; ++i)
+    if (i < it.rows) DCMHA_UNROLL
+  for (int r = 0; r < kMaxRank; ++r)
+    if (r < R)
+      blk.store_shared(cx.sums.at(side, kind, r, it.row0 + i - cx.region.row_begin,
+                                  it.key - cx.region.key_begin),
+                       cx.query_axis ? p.q[i][r] : p.k[i][r]);
+}
+
+template <class Block, class T>
+DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const ComposeItem& it,
+                             const detail::KeyRange (&ranges)[kComposeRows], index_t s, int parts) {
+  using std::exp;
+  const SideWeights<T>&pre = cx.pre, &post = cx.post;
+  const GroupTiles scores = cx.group(cx.tiles.scores), upstream = cx.group(cx.tiles.upstream);
+  const GroupTiles probs = cx.group(cx.tiles.probs), grads = cx.group(cx.tiles.softmax_grad);
+  // 1. Projections of L (Compose_pre) and of dP' (Compose_post's transpose).
+  Projections pre_x, post_g;
+  pre_x.zero();
+  post_g.zero();
+  if (it.valid)
+    for (int m = it.head0; m < it.head0 + it.heads; ++m) {
+      float x[kComposeRows];
+      load_item(blk, scores.head(blk, m), it, x);
+      pre_x.add(blk, pre, it, m, x);
+      load_item(blk, upstream.head(blk, m), it, x);
+      post_g.add(blk, post, it, m, x, Direction::transpose);
+    }
+  pre_x.reduce(blk, parts);
+  post_g.reduce(blk, parts);
+  // 2. P = exp(Compose_pre(L) - lse) to its owner, and its projections (Compose_post).
+  Projections post_x;
+  post_x.zero();
+  if (it.valid)
+    for (int n = it.head0; n < it.head0 + it.heads; ++n) {
+      float x[kComposeRows], y[kComposeRows], lse[kComposeRows];
+      load_item(blk, scores.head(blk, n), it, x);
+      compose_head(blk, pre, it, pre_x, n, x, y);
+      if (pre.terms.static_w) add_static_term(blk, pre, scores, it, n, y);
+      load_statistic(blk, cx, cx.lse, it, n, lse);
+      DCMHA_UNROLL
+      for (int i = 0; i < kComposeRows; ++i)
+        y[i] = i < it.rows && ranges[i].contains(s) && lse[i] > detail::negative_infinity<float>()
+                   ? exp(y[i] - lse[i])
+                   : 0.0f;
+      blk.count_exp(it.rows);
+      store_item(blk, probs.head(blk, n), it, y);
+      post_x.add(blk, post, it, n, y);
+    }
+  post_x.reduce(blk, parts);
+  // Static terms read the other parts' probabilities: the item's lanes are one warp.
+  if (post.terms.static_w) blk.sync_warp();
+  // 3. dP = Compose_post^T(dP'); P' = Compose_post(P) for dV; dL' = P (dP - D), or P * dP.
+  Projections pre_g;
+  pre_g.zero();
+  if (it.valid)
+    for (int m = it.head0; m < it.head0 + it.heads; ++m) {
+      float g[kComposeRows], dp[kComposeRows], p[kComposeRows], d[kComposeRows] = {};
+      load_item(blk, upstream.head(blk, m), it, g);
+      compose_head(blk, post, it, post_g, m, g, dp, Direction::transpose);
+      if (post.terms.static_w)
+        add_static_term(blk, post, upstream, it, m, dp, Direction::transpose);
+      load_item(blk, probs.head(blk, m), it, p);
+      if (cx.with_values_probs) {
+        float pp[kComposeRows];
+        compose_head(blk, post, it, post_x, m, p, pp);
+        if (post.terms.static_w) add_static_term(blk, post, probs, it, m, pp);
+        DCMHA_UNROLL
+        for (int i = 0; i < kComposeRows; ++i) pp[i] = ranges[i].contains(s) ? pp[i] : 0.0f;
+        store_operand(blk, cx.values_probs, cx.own_heads, it, m, pp);
+      }
+      if (!cx.row_dots_only) load_statistic(blk, cx, cx.row_dot, it, m, d);
+      DCMHA_UNROLL
+      for (int i = 0; i < kComposeRows; ++i)
+        dp[i] = cx.row_dots_only ? p[i] * dp[i] : p[i] * (dp[i] - d[i]);
+      blk.count_fma(it.rows);
+      store_item(blk, grads.head(blk, m), it, dp);
+      if (!cx.row_dots_only) pre_g.add(blk, pre, it, m, dp, Direction::transpose);
+    }
+  if (cx.row_dots_only) return;
+  pre_g.reduce(blk, parts);
+  if (pre.terms.static_w) blk.sync_warp();
+  // 4. dL = Compose_pre^T(dL') in the storage type, for dQ and dK.
+  if (it.valid)
+    for (int m = it.head0; m < it.head0 + it.heads; ++m) {
+      float g[kComposeRows], dl[kComposeRows];
+      load_item(blk, grads.head(blk, m), it, g);
+      compose_head(blk, pre, it, pre_g, m, g, dl, Direction::transpose);
+      if (pre.terms.static_w) add_static_term(blk, pre, grads, it, m, dl, Direction::transpose);
+      store_operand(blk, cx.dscores, cx.own_heads, it, m, dl);
+    }
+  if (!it.valid) return;
+  store_sums(blk, cx, it, 0, 0, pre_x);
+  store_sums(blk, cx, it, 0, 1, pre_g);
+  store_sums(blk, cx, it, 1, 0, post_x);
+  store_sums(blk, cx, it, 1, 1, post_g);
+}
+
+}  // namespace dcmha::cuda

@@ -1,0 +1,123 @@
+#pragma once
+// The forward's tile geometry and shared-memory layout: plain data chosen by the launch plan on
+// the host, passed to the kernel by value, and the one carving both sides use.
+#include "../common/compose_terms.hpp"
+#include "compose_pass.hpp"
+#include "tile_layout.hpp"
+#include "warp_product.hpp"
+
+namespace dcmha::cuda {
+
+/// Keys per key tile, in every kernel.
+constexpr int kKeys = 32;
+
+enum class ForwardMode : int {
+  registers,  // MHA on the tensor cores: scores, softmax and P stay in registers (FlashAttention-2)
+  one_pass,   // no post-compose: scores through shared memory for Compose_pre, online softmax
+  two_pass,   // post-compose: row statistics first, then exact probabilities, Compose_post, P'V
+};
+
+/// The forward's launch pieces (split keys: statistics, their combination, values, their sum).
+enum class ForwardPhase : int { whole, split_statistics, split_values };
+
+/// Where the forward's arrays sit in a block's shared memory (byte offsets).
+struct ForwardLayout {
+  std::uint32_t q = 0;  // [own head][rows][kHeadDim]
+  std::uint32_t k[2] = {0,
+                        0};    // [stage][kv slot][kKeys][kHeadDim]: a key tile while the next lands
+  std::uint32_t v = 0;         // [kv slot][kKeys][kHeadDim]: lands while the tile's scores are made
+  std::uint32_t scores = 0;    // [own head][rows][kKeys]: scores, composed in place
+  std::uint32_t composed = 0;  // the same, where Compose_pre writes out of place
+  std::uint32_t probs = 0;     // [own head][rows][kKeys]: P' in the storage type, for P'V
+  std::uint32_t lse = 0;       // [own head][rows]
+  SideLayout side[2];          // pre, post
+};
+
+struct ForwardGeometry {
+  ForwardMode mode = ForwardMode::registers;
+  ForwardPhase phase = ForwardPhase::whole;
+  int M = 1;          // heads per compose group
+  int cluster = 1;    // blocks that share a query tile, each owning own_heads of the M heads
+  int own_heads = 1;  // M / cluster
+  int kv_slots = 1;   // key/value heads the own heads read (GQA)
+  int rows = 16;      // query rows per block, a multiple of 16
+  int warps = 1;      // own_heads * rows / 16: one (head, 16 rows) item per warp
+  int D = 0, Dv = 0;
+  bool chunked_q = false, chunked_k = false, chunked_v = false;  // rows staged by cp.async
+  int slice_rows = 16;    // rows / cluster: the rows this block composes
+  int compose_parts = 1;  // lanes sharing one compose item's heads
+  int splits = 1;         // blocks sharing a query tile's keys (decode)
+  detail::ComposeTermSets terms;
+  ForwardLayout layout;
+  index_t shared_bytes = 0;
+
+  DCMHA_INLINE bool composes() const { return terms.enabled(); }
+  /// Compose_pre with a static W mixes every head's input into each output: it writes a second
+  /// tile instead of overwriting its input.
+  DCMHA_INLINE bool pre_out_of_place() const { return terms.pre.static_w; }
+  DCMHA_INLINE int threads() const { return warps * 32; }
+
+  /// Lays out the shared memory for storage type T and head-dim class kHeadDim.
+  template <class T, int kHeadDim>
+  void lay_out() {
+    SharedCarver c;
+    ForwardLayout& l = layout;
+    l.q = OperandTiles<T>::carve(c, own_heads, rows, kHeadDim);
+    for (int s = 0; s < 2; ++s) l.k[s] = OperandTiles<T>::carve(c, kv_slots, kKeys, kHeadDim);
+    l.v = OperandTiles<T>::carve(c, phase != ForwardPhase::split_statistics ? kv_slots : 0, kKeys,
+                                 kHeadDim);
+    const bool tiles = mode != ForwardMode::registers;
+    l.scores = ScoreTiles::carve(c, tiles ? own_heads : 0, rows, kKeys);
+    l.composed = ScoreTiles::carve(c, tiles && pre_out_of_place() ? own_heads : 0, rows, kKeys);
+    // P' for the values (two passes; float storage, whose P V reads P from shared memory too).
+    const bool probs = mode == ForwardMode::two_pass || !kTensorCoreType<T>;
+    l.probs = OperandTiles<T>::carve(c, probs ? own_heads : 0, rows, kKeys);
+    l.lse = c.take<float>(index_t(own_heads) * rows);
+    l.side[0].template carve<T>(c, terms.pre, M, slice_rows, kKeys);
+    const detail::ComposeTermSet post =
+        mode == ForwardMode::two_pass ? terms.post : detail::ComposeTermSet{};
+    l.side[1].template carve<T>(c, post, M, slice_rows, kKeys);
+    shared_bytes = c.bytes();
+  }
+};
+
+/// The forward's tiles as a kernel sees them: views made from the layout where needed.
+template <class T, int kHeadDim>
+struct ForwardTiles {
+  const ForwardGeometry& g;
+  void* base;
+
+  DCMHA_INLINE OperandTiles<T> q() const {
+    return OperandTiles<T>::view(base, g.layout.q, g.rows, kHeadDim);
+  }
+  DCMHA_INLINE OperandTiles<T> k(int stage) const {
+    return OperandTiles<T>::view(base, g.layout.k[stage], kKeys, kHeadDim);
+  }
+  DCMHA_INLINE OperandTiles<T> v() const {
+    return OperandTiles<T>::view(base, g.layout.v, kKeys, kHeadDim);
+  }
+  DCMHA_INLINE ScoreTiles scores() const {
+    return ScoreTiles::view(base, g.layout.scores, g.rows, kKeys);
+  }
+  DCMHA_INLINE ScoreTiles composed() const {
+    return ScoreTiles::view(base, g.pre_out_of_place() ? g.layout.composed : g.layout.scores,
+                            g.rows, kKeys);
+  }
+  DCMHA_INLINE OperandTiles<T> probs() const {
+    return OperandTiles<T>::view(base, g.layout.probs, g.rows, kKeys);
+  }
+  DCMHA_INLINE float* lse() const { return at_offset<float>(base, g.layout.lse); }
+  DCMHA_INLINE SideWeights<T> side(int s) const {
+    return g.layout.side[s].template view<T>(base, s == 0 ? g.terms.pre : g.terms.post, g.M, kKeys);
+  }
+};
+
+/// The scratch of a forward whose keys are split across blocks: count 1 means not split.
+struct KeySplit {
+  int count = 1;
+  float* stats = nullptr;  // [split][B][H][T][2]: each split's row max and sum
+  float* lse = nullptr;    // [B][H][T]
+  float* out = nullptr;    // [split][B][H][T][Dv]: each split's P'V
+};
+
+}  // namespace dcmha::cuda

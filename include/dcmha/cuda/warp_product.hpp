@@ -1,0 +1,201 @@
+#pragma once
+// The tile products of one warp: a 16-row block of C (float accumulators, m16n8 fragments)
+// plus A x B, with A and B in shared-memory operand tiles (tile_layout.hpp). For bf16 and fp16
+// storage the products are mma.sync.m16n8k16 with operands loaded by ldmatrix (.trans where the
+// tile holds the operand's k index along its rows); float storage has no tensor-core path of
+// the same precision and computes the same fragments on CUDA cores.
+//
+// Three shapes cover every product of the forward and backward (k: the summed index):
+//   rows x rows   C[m][n] += sum_k a(m, k) b(n, k)   Q K^T, dO V^T, K Q^T, V dO^T
+//   rows x cols   C[m][n] += sum_k a(m, k) b(k, n)   P' V, dL K
+//   cols x cols   C[m][n] += sum_k a(k, m) b(k, n)   P'^T dO, dL^T Q
+// where a(i, j) is element j of row i of tile a, from the offsets the caller gives.
+//
+// Fragments (PTX ISA, mma.m16n8k16): lane l, group g = l / 4, t = l % 4, holds of C the
+// elements (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) of each n8 tile.
+#include <type_traits>
+
+#include "../config.hpp"
+#include "simt.hpp"
+#include "tile_layout.hpp"
+
+namespace dcmha::cuda {
+
+template <class T>
+constexpr bool kTensorCoreType = std::is_same_v<T, bf16> || std::is_same_v<T, half>;
+
+/// kTiles m16n8 accumulator fragments: a warp's 16 x 8 kTiles block of C.
+template <int kTiles>
+struct Accumulators {
+  float c[kTiles][4];
+  DCMHA_INLINE void zero() {
+    DCMHA_UNROLL
+    for (int j = 0; j < kTiles; ++j) DCMHA_UNROLL
+    for (int i = 0; i < 4; ++i) c[j][i] = 0.0f;
+  }
+};
+
+/// The rows and columns of C a lane's fragment elements sit at: element i of n8 tile j is
+/// (row(i), 8 j + column(i)).
+struct FragmentPlace {
+  int g = 0, t = 0;
+  template <class Block>
+  DCMHA_INLINE explicit FragmentPlace(const Block& blk)
+      : g(lane_of(blk) / 4), t(lane_of(blk) % 4) {}
+  DCMHA_INLINE int row(int i) const { return g + (i >= 2 ? 8 : 0); }
+  DCMHA_INLINE int column(int i) const { return 2 * t + (i & 1); }
+};
+
+namespace product_detail {
+
+template <class T>
+DCMHA_INLINE float widen(T x) {
+  return static_cast<float>(x);
+}
+
+template <class T, class Block>
+DCMHA_INLINE void mma(const Block& blk, float (&d)[4], const std::uint32_t (&a)[4],
+                      const std::uint32_t (&b)[2]) {
+  if constexpr (std::is_same_v<T, bf16>)
+    blk.mma_bf16(d, a, b);
+  else
+    blk.mma_f16(d, a, b);
+}
+
+/// The CUDA-core product for float storage: each lane sums its own fragment elements.
+template <int kTiles, class Block, class A, class B>
+DCMHA_INLINE void scalar_product(const Block& blk, Accumulators<kTiles>& acc, int depth, A&& a,
+                                 B&& b) {
+  const FragmentPlace f(blk);
+  DCMHA_UNROLL
+  for (int j = 0; j < kTiles; ++j) DCMHA_UNROLL
+  for (int i = 0; i < 4; ++i) {
+    float sum = acc.c[j][i];
+    for (int k = 0; k < depth; ++k) sum += a(f.row(i), k) * b(k, 8 * j + f.column(i));
+    acc.c[j][i] = sum;
+  }
+  blk.count_fma(index_t(kTiles) * 4 * depth);
+}
+
+}  // namespace product_detail
+
+/// acc += a(a0 + m, k) b(b0 + n, k) over k < depth (a multiple of 16; the tiles' columns up to
+/// depth hold zeros past the data).
+template <int kTiles, class Block, class T>
+DCMHA_INLINE void product_rows_rows(const Block& blk, const OperandTile<T>& a, int a0,
+                                    const OperandTile<T>& b, int b0, int depth,
+                                    Accumulators<kTiles>& acc) {
+  const int l = lane_of(blk);
+  if constexpr (kTensorCoreType<T>) {
+    static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+    for (int k0 = 0; k0 < depth; k0 += 16) {
+      std::uint32_t af[4];
+      blk.ldmatrix_x4(af, a.chunk(a0 + l % 16, k0 / 8 + l / 16));
+      DCMHA_UNROLL
+      for (int j = 0; j < kTiles; j += 2) {
+        std::uint32_t bf[4];
+        blk.ldmatrix_x4(bf, b.chunk(b0 + 8 * j + l % 8 + 8 * (l / 16), k0 / 8 + (l / 8) % 2));
+        const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
+        product_detail::mma<T>(blk, acc.c[j], af, b_lo);
+        product_detail::mma<T>(blk, acc.c[j + 1], af, b_hi);
+      }
+    }
+  } else {
+    product_detail::scalar_product(
+        blk, acc, depth, [&](int m, int k) { return blk.load_shared(a.at(a0 + m, k)); },
+        [&](int k, int n) { return blk.load_shared(b.at(b0 + n, k)); });
+  }
+}
+
+/// acc += a(a0 + m, k) b(b_k0 + k, b_n0 + n) over k < depth (a multiple of 16).
+template <int kTiles, class Block, class T>
+DCMHA_INLINE void product_rows_cols(const Block& blk, const OperandTile<T>& a, int a0,
+                                    const OperandTile<T>& b, int b_k0, int b_n0, int depth,
+                                    Accumulators<kTiles>& acc) {
+  const int l = lane_of(blk);
+  if constexpr (kTensorCoreType<T>) {
+    static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+    for (int k0 = 0; k0 < depth; k0 += 16) {
+      std::uint32_t af[4];
+      blk.ldmatrix_x4(af, a.chunk(a0 + l % 16, k0 / 8 + l / 16));
+      DCMHA_UNROLL
+      for (int j = 0; j < kTiles; j += 2) {
+        std::uint32_t bf[4];
+        blk.ldmatrix_x4_trans(
+            bf, b.chunk(b_k0 + k0 + l % 8 + 8 * ((l / 8) % 2), b_n0 / 8 + j + l / 16));
+        const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
+        product_detail::mma<T>(blk, acc.c[j], af, b_lo);
+        product_detail::mma<T>(blk, acc.c[j + 1], af, b_hi);
+      }
+    }
+  } else {
+    product_detail::scalar_product(
+        blk, acc, depth, [&](int m, int k) { return blk.load_shared(a.at(a0 + m, k)); },
+        [&](int k, int n) { return blk.load_shared(b.at(b_k0 + k, b_n0 + n)); });
+  }
+}
+
+/// acc += a(k, a_m0 + m) b(k, b_n0 + n) over k < depth (a multiple of 16), both tiles holding k
+/// along their rows.
+template <int kTiles, class Block, class T>
+DCMHA_INLINE void product_cols_cols(const Block& blk, const OperandTile<T>& a, int a_m0,
+                                    const OperandTile<T>& b, int b_n0, int depth,
+                                    Accumulators<kTiles>& acc) {
+  const int l = lane_of(blk);
+  if constexpr (kTensorCoreType<T>) {
+    static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+    for (int k0 = 0; k0 < depth; k0 += 16) {
+      std::uint32_t af[4];
+      blk.ldmatrix_x4_trans(af, a.chunk(k0 + l % 8 + 8 * (l / 16), a_m0 / 8 + (l / 8) % 2));
+      DCMHA_UNROLL
+      for (int j = 0; j < kTiles; j += 2) {
+        std::uint32_t bf[4];
+        blk.ldmatrix_x4_trans(bf, b.chunk(k0 + l % 8 + 8 * ((l / 8) % 2), b_n0 / 8 + j + l / 16));
+        const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
+        product_detail::mma<T>(blk, acc.c[j], af, b_lo);
+        product_detail::mma<T>(blk, acc.c[j + 1], af, b_hi);
+      }
+    }
+  } else {
+    product_detail::scalar_product(
+        blk, acc, depth, [&](int m, int k) { return blk.load_shared(a.at(k, a_m0 + m)); },
+        [&](int k, int n) { return blk.load_shared(b.at(k, b_n0 + n)); });
+  }
+}
+
+/// Two values the way a fragment holds them in one 32-bit register: the first in the low half.
+template <class T>
+DCMHA_INLINE std::uint32_t pack_pair(float lo, float hi) {
+  const T a(lo), b(hi);
+  return std::uint32_t(Eigen::numext::bit_cast<std::uint16_t>(a)) |
+         (std::uint32_t(Eigen::numext::bit_cast<std::uint16_t>(b)) << 16);
+}
+
+/// acc += p v where p is a warp's own accumulator block (16 x 8 kKeyTiles: probabilities in
+/// registers, rounded to T as the tensor cores take them) and v's rows v_k0 + k are the k index:
+/// P V of MHA straight from the scores' fragments, since an m16n8 C fragment pair is an m16k16 A
+/// fragment. Tensor-core types only (float storage takes P through a tile).
+template <int kTiles, int kKeyTiles, class Block, class T>
+DCMHA_INLINE void product_fragments_cols(const Block& blk, const Accumulators<kKeyTiles>& p,
+                                         const OperandTile<T>& v, int v_k0,
+                                         Accumulators<kTiles>& acc) {
+  static_assert(kTensorCoreType<T>, "float storage takes P through a tile");
+  const int l = lane_of(blk);
+  DCMHA_UNROLL
+  for (int s = 0; s < kKeyTiles / 2; ++s) {
+    const float* lo = p.c[2 * s];
+    const float* hi = p.c[2 * s + 1];
+    const std::uint32_t af[4] = {pack_pair<T>(lo[0], lo[1]), pack_pair<T>(lo[2], lo[3]),
+                                 pack_pair<T>(hi[0], hi[1]), pack_pair<T>(hi[2], hi[3])};
+    DCMHA_UNROLL
+    for (int j = 0; j < kTiles; j += 2) {
+      std::uint32_t bf[4];
+      blk.ldmatrix_x4_trans(bf, v.chunk(v_k0 + 16 * s + l % 8 + 8 * ((l / 8) % 2), j + l / 16));
+      const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
+      product_detail::mma<T>(blk, acc.c[j], af, b_lo);
+      product_detail::mma<T>(blk, acc.c[j + 1], af, b_hi);
+    }
+  }
+}
+
+}  // namespace dcmha::cuda
