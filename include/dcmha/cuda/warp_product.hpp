@@ -62,17 +62,21 @@ DCMHA_INLINE void mma(const Block& blk, float (&d)[4], const std::uint32_t (&a)[
     blk.mma_f16(d, a, b);
 }
 
-/// The CUDA-core product for float storage: each lane sums its own fragment elements.
+/// The CUDA-core product for float storage: each lane sums its own fragment elements, k
+/// outermost so that its two rows of A are read once per k for every n8 tile (and the loop
+/// body, not kTiles * 4 loops, is what unrolls).
 template <int kTiles, class Block, class A, class B>
 DCMHA_INLINE void scalar_product(const Block& blk, Accumulators<kTiles>& acc, int depth, A&& a,
                                  B&& b) {
   const FragmentPlace f(blk);
-  DCMHA_UNROLL
-  for (int j = 0; j < kTiles; ++j) DCMHA_UNROLL
-  for (int i = 0; i < 4; ++i) {
-    float sum = acc.c[j][i];
-    for (int k = 0; k < depth; ++k) sum += a(f.row(i), k) * b(k, 8 * j + f.column(i));
-    acc.c[j][i] = sum;
+  for (int k = 0; k < depth; ++k) {
+    const float a_top = a(f.row(0), k), a_bottom = a(f.row(2), k);
+    DCMHA_UNROLL
+    for (int j = 0; j < kTiles; ++j) {
+      const float b_even = b(k, 8 * j + f.column(0)), b_odd = b(k, 8 * j + f.column(1));
+      acc.c[j][0] += a_top * b_even, acc.c[j][1] += a_top * b_odd;
+      acc.c[j][2] += a_bottom * b_even, acc.c[j][3] += a_bottom * b_odd;
+    }
   }
   blk.count_fma(index_t(kTiles) * 4 * depth);
 }
