@@ -77,6 +77,12 @@ RECAP+=("release: $(grep -E 'tests passed|tests failed' "$BUILD_DIR/ctest.log" |
 skipped=$(grep -c '(Skipped)' "$BUILD_DIR/ctest.log" || true)
 [ "$skipped" -gt 0 ] && RECAP+=("gpu: $skipped tests skipped (no CUDA device here; scripts/gpu_check.sh runs them)")
 
+# The CUDA kernels' cost model (tools/cost_model): a single-threaded emulation of a few minutes,
+# beside the steps below; its table is printed at the end.
+COST_MODEL_LOG="$ROOT/$BUILD_DIR/cost-model.txt"
+"$BUILD_DIR/tools/cost_model/dcmha_cost_model" >"$COST_MODEL_LOG" 2>&1 &
+cost_model=$!
+
 # Runs a command and keeps its last line (its summary) for the recap at the end.
 recap_of() {
   local log
@@ -89,7 +95,8 @@ recap_of() {
 # The packaging proof: install into a throw-away prefix and build a separate project that only
 # knows that prefix, exactly as a user would.
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/dcmha-test.XXXXXX")"
-trap 'rm -rf "$WORK"; [ -z "$fuzz_build" ] || kill "$fuzz_build" 2>/dev/null || true' EXIT
+trap 'rm -rf "$WORK"; [ -z "$fuzz_build" ] || kill "$fuzz_build" 2>/dev/null || true
+  [ -z "$cost_model" ] || kill "$cost_model" 2>/dev/null || true' EXIT
 
 step "install into $WORK/prefix"
 cmake --install "$BUILD_DIR" --prefix "$WORK/prefix"
@@ -121,6 +128,12 @@ if [ -n "$fuzz_build" ]; then
   fuzz_build=""
   recap_of env -u BUILD_DIR bash "$ROOT/scripts/fuzz.sh" "${FUZZ_SECONDS:-60}"
 fi
+
+step "cost model of the CUDA kernels (a model, not a measurement)"
+wait "$cost_model" || { cat "$COST_MODEL_LOG"; die "the cost model failed"; }
+cost_model=""
+cat "$COST_MODEL_LOG"
+RECAP+=("cost model: $(grep -c '^| [MD]' "$COST_MODEL_LOG") rows modeled ($COST_MODEL_LOG)")
 
 step "all passed"
 printf '  %s\n' "${RECAP[@]}"

@@ -1,0 +1,178 @@
+// The CUDA kernels' cost model: our MHA and DCMHA forward and backward at the GPU benchmark's
+// shapes (bf16, B4/H32/D128, causal, T 2048 and 4096), from the emulator's counts (emulated
+// on small problems with the benchmark's launch plans, extrapolated in T), over the H200's
+// ceilings, beside FlashAttention-2's algorithm for MHA counted the same way. A model, not a
+// measurement: the GPU benchmark (scripts/gpu_check.sh) replaces it.
+//
+//   dcmha_cost_model [T...]     (default: 2048 4096)
+#include <cstdio>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "emulated_work.hpp"
+#include "flash_attention_model.hpp"
+#include "h200_model.hpp"
+
+namespace {
+
+using dcmha::index_t;
+using namespace dcmha::cost_model;
+
+/// The scaling check's limit: the counts' deviation from a quadratic in T is sector alignment
+/// of host scratch arrays, about 1e-3.
+constexpr double kLargestFitError = 0.01;
+
+/// An operation's modeled time: each launch bounded by its slowest unit (overlapped) or by the
+/// sum of its units (serialized); launches run one after another.
+struct Modeled {
+  double overlapped = 0, serialized = 0;
+  ModeledTime units;  // summed over launches
+
+  void add_launch(const Work& w) {
+    const ModeledTime t = modeled_time(w);
+    overlapped += t.overlapped(), serialized += t.serialized();
+    units += t;
+  }
+  Modeled& operator+=(const Modeled& o) {
+    overlapped += o.overlapped, serialized += o.serialized, units += o.units;
+    return *this;
+  }
+};
+
+Modeled ours(const OperationWork& op) {
+  Modeled m;
+  for (const auto& [kernel, w] : op.kernels) m.add_launch(w);
+  // The compulsory HBM traffic bounds the operation as a whole (each launch's L2 traffic bounds
+  // the launch).
+  const double hbm = modeled_time(op.total).hbm;
+  m.overlapped = std::max(m.overlapped, hbm);
+  m.units.hbm = hbm;
+  return m;
+}
+
+Modeled flash(const Work& w) {
+  Modeled m;
+  m.add_launch(w);
+  return m;
+}
+
+double ms(double seconds) { return seconds * 1e3; }
+
+void print_units(const char* what, const Modeled& m) {
+  const ModeledTime& u = m.units;
+  std::printf(
+      "  %-20s tensor %6.3f  fma %6.3f  exp %6.3f  shared %6.3f  L2 %6.3f  HBM %6.3f  "
+      "DSMEM %6.3f ms  (largest: %s)\n",
+      what, ms(u.tensor), ms(u.fma), ms(u.exp), ms(u.shared), ms(u.l2), ms(u.hbm), ms(u.peer),
+      u.bound());
+}
+
+const char* verdict(double ratio, double target) { return ratio <= target ? "met" : "missed"; }
+
+/// One row of the table: FA2, ours, the ratio and its target.
+void print_row(const std::string& what, const Modeled& fa2, const Modeled& mine, double target) {
+  const double r_over = mine.overlapped / fa2.overlapped;
+  const double r_serial = mine.serialized / fa2.serialized;
+  std::printf("| %-26s | %7.3f / %7.3f | %7.3f / %7.3f | %5.2fx / %5.2fx | <= %.1fx: %s / %s |\n",
+              what.c_str(), ms(fa2.overlapped), ms(fa2.serialized), ms(mine.overlapped),
+              ms(mine.serialized), r_over, r_serial, target, verdict(r_over, target),
+              verdict(r_serial, target));
+}
+
+void print_plan(const Plans& p, bool dcmha) {
+  const auto& f = p.forward.geo;
+  const auto& q = p.backward.query;
+  const auto& k = p.backward.key;
+  std::printf(
+      "  %s plan: forward %d rows x %d-block cluster, %d warps, %lld B shared, %d "
+      "split(s); backward query side %d rows, key side %d keys, cluster %d, %lld / %lld B\n",
+      dcmha ? "DCMHA" : "MHA", f.rows, f.cluster, f.warps, (long long)f.shared_bytes, f.splits,
+      q.rows, k.rows, q.cluster, (long long)q.shared_bytes, (long long)k.shared_bytes);
+}
+
+/// Emulated runs, kept while the next shape's plan launches the same blocks.
+class RunCache {
+ public:
+  EmulatedWork work(const BenchmarkShape& s) {
+    const Plans plans = plans_of(s);
+    std::vector<EmulatedRuns>& kept = s.dcmha ? dcmha_ : mha_;
+    for (const EmulatedRuns& r : kept)
+      if (same_blocks(r.plans, plans)) return emulated_work(s, r);
+    kept.push_back(emulated_runs(s, plans));
+    return emulated_work(s, kept.back());
+  }
+
+ private:
+  std::vector<EmulatedRuns> mha_, dcmha_;
+};
+
+void model(index_t T, RunCache& cache) {
+  BenchmarkShape s;
+  s.T = T;
+  s.dcmha = false;
+  const EmulatedWork mha = cache.work(s);
+  s.dcmha = true;
+  const EmulatedWork dcmha = cache.work(s);
+  s.dcmha = false;
+  const Modeled fa2_fwd = flash(flash_forward(s));
+  s.backward = true;
+  const Modeled fa2_bwd = flash(flash_backward(s));
+  Modeled fa2_all = fa2_fwd, mha_all = ours(mha.forward), dcmha_all = ours(dcmha.forward);
+  fa2_all += fa2_bwd, mha_all += ours(mha.backward), dcmha_all += ours(dcmha.backward);
+
+  const std::string shape = "T" + std::to_string(T);
+  std::printf("\nbf16 B4/H32/D128 %s causal (ms, overlapped / serialized)\n", shape.c_str());
+  std::printf("| case | FA2 MHA | ours | ours / FA2 | target |\n|---|---|---|---|---|\n");
+  print_row("MHA forward " + shape, fa2_fwd, ours(mha.forward), 1.3);
+  print_row("MHA forward+backward " + shape, fa2_all, mha_all, 1.3);
+  print_row("DCMHA forward " + shape, fa2_fwd, ours(dcmha.forward), 2.0);
+  print_row("DCMHA forward+backward " + shape, fa2_all, dcmha_all, 2.5);
+  std::printf("units, summed over launches:\n");
+  print_units("FA2 MHA forward", fa2_fwd);
+  print_units("FA2 MHA backward", fa2_bwd);
+  print_units("our MHA forward", ours(mha.forward));
+  print_units("our MHA backward", ours(mha.backward));
+  print_units("our DCMHA forward", ours(dcmha.forward));
+  print_units("our DCMHA backward", ours(dcmha.backward));
+  print_plan(mha.plans, false);
+  print_plan(dcmha.plans, true);
+  const double fit = std::max({mha.forward.fit_error, mha.backward.fit_error,
+                               dcmha.forward.fit_error, dcmha.backward.fit_error});
+  std::printf(
+      "  scaling check: counts emulated at T = %lld, %lld, %lld predict T = %lld's within "
+      "%.2g (relative)\n",
+      (long long)dcmha.lengths[0], (long long)dcmha.lengths[1], (long long)dcmha.lengths[2],
+      (long long)dcmha.lengths[3], fit);
+  // Counts that are not the quadratic the extrapolation assumes make the table meaningless.
+  if (fit > kLargestFitError)
+    throw std::runtime_error("the scaling check failed: a count is off its quadratic by " +
+                             std::to_string(fit));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<index_t> lengths;
+  for (int i = 1; i < argc; ++i) lengths.push_back(std::atoll(argv[i]));
+  if (lengths.empty()) lengths = {2048, 4096};
+  const Ceilings c;
+  std::printf(
+      "dcmha cost model (a model, not a measurement): H200 ceilings %.0f TFLOP/s bf16, "
+      "%.0f TFLOP/s fp32, %.1f TB/s HBM; assumed %.0f TB/s L2, %.1f TB/s DSMEM, %.2f GHz\n",
+      c.tensor_flops / 1e12, c.fp32_flops / 1e12, c.hbm_bytes / 1e12, c.l2_bytes / 1e12,
+      c.peer_bytes / 1e12, c.clock_hz / 1e9);
+  std::printf(
+      "overlapped: each launch takes its slowest unit's time (tensor cores, FMA, "
+      "exponentials, shared memory, L2, HBM and DSMEM run concurrently); serialized: "
+      "the units' times add up\n");
+  try {
+    RunCache cache;
+    for (index_t T : lengths) model(T, cache);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dcmha_cost_model: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
