@@ -1,0 +1,7 @@
+// The double instances of the CPU calls (one scalar type per translation unit: they compile in
+// parallel).
+#include "call_impl.hpp"
+
+namespace dcmha_torch {
+DCMHA_TORCH_INSTANTIATE(double)
+}  // namespace dcmha_torch
