@@ -5,8 +5,8 @@
 //                               key_lengths) -> out; differentiable in q, k, v and every compose
 //                               entry
 //   dcmha::attention_forward   the same arguments -> (out, lse)
-//   dcmha::attention_backward  (..., lse, dout) -> (dq, dk, dv, dcompose): dcompose has the 14
-//                               entries, undefined (None) where compose has none
+//   dcmha::attention_backward  (..., lse, dout) -> (dq, dk, dv, dcompose): dcompose holds the
+//                               gradients of the given compose entries, in their order
 //
 // `compose` is empty (multi-head attention) or 14 optional tensors: pre (sw, qw1, qw2, kw1, kw2,
 // qdd, kdd), then post, in the official layouts ((N, N), (B, L, R, N), (B, L, N)) or dcmha's
@@ -58,6 +58,15 @@ Settings settings_of(bool causal, int64_t window, double scale,
   if (query_lengths) s.query_lengths = *query_lengths;
   if (key_lengths) s.key_lengths = *key_lengths;
   return s;
+}
+
+/// The defined tensors, in order (a Tensor[] result holds no undefined tensors: they would not
+/// survive a trip through Python, as torch.compile's tracing makes).
+std::vector<at::Tensor> given(const ComposeEntries& e) {
+  std::vector<at::Tensor> defined;
+  for (const at::Tensor& t : e)
+    if (t.defined()) defined.push_back(t);
+  return defined;
 }
 
 c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
@@ -166,7 +175,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attentio
   const BackwardArgs args{inputs, lse, d};
   const BackwardResult r =
       typed(fn, q.scalar_type(), [&](auto type) { return backward_cpu<decltype(type)>(args); });
-  return {r.dq, r.dk, r.dv, std::vector<at::Tensor>(r.dcompose.begin(), r.dcompose.end())};
+  return {r.dq, r.dk, r.dv, given(r.dcompose)};
 }
 
 /// The differentiable op: the forward op, its lse kept for the backward op.
@@ -208,7 +217,9 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                 ctx->saved_data["scale"].toDouble(), optional_of(saved[4]), optional_of(saved[5]));
     torch::autograd::variable_list result = {dq, dk, dv};
     result.emplace_back();  // the settings
-    for (int e = 0; e < kComposeEntries; ++e) result.push_back(dcompose[e]);
+    size_t next = 0;
+    for (int e = 0; e < kComposeEntries; ++e)
+      result.push_back(entries[e].defined() ? dcompose.at(next++) : at::Tensor());
     return result;
   }
 };
@@ -238,6 +249,43 @@ at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Ten
       attention_forward_cpu(q, k, v, compose, causal, window, scale, query_lengths, key_lengths));
 }
 
+/// Shapes only (the Meta backend: torch.compile's fake tensors, opcheck), checked as the CPU
+/// kernels check them wherever a shape decides the outputs' shapes.
+std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v,
+                                                          const OptionalTensorList& compose, bool,
+                                                          int64_t, double,
+                                                          const c10::optional<at::Tensor>&,
+                                                          const c10::optional<at::Tensor>&) {
+  const char* fn = "dcmha.attention_forward";
+  entries_of(fn, compose);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
+              ": q, k, v: expected 4 dims each, got ", q.dim(), ", ", k.dim(), ", ", v.dim());
+  const at::ScalarType lse_type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return {at::empty({q.size(0), q.size(1), q.size(2), v.size(3)}, q.options()),
+          at::empty({q.size(0), q.size(1), q.size(2)}, q.options().dtype(lse_type))};
+}
+
+at::Tensor attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const OptionalTensorList& compose, bool causal, int64_t window,
+                          double scale, const c10::optional<at::Tensor>& query_lengths,
+                          const c10::optional<at::Tensor>& key_lengths) {
+  return std::get<0>(
+      attention_forward_meta(q, k, v, compose, causal, window, scale, query_lengths, key_lengths));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attention_backward_meta(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const OptionalTensorList& compose, const at::Tensor&, const at::Tensor&, bool, int64_t, double,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&) {
+  const ComposeEntries entries = entries_of("dcmha.attention_backward", compose);
+  std::vector<at::Tensor> dcompose;
+  for (const at::Tensor& e : entries)
+    if (e.defined()) dcompose.push_back(at::empty(e.sizes(), e.options()));
+  return {at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options()),
+          at::empty(v.sizes(), v.options()), dcompose};
+}
+
 }  // namespace
 
 #define DCMHA_TORCH_ATTENTION_ARGS                                                    \
@@ -257,6 +305,12 @@ TORCH_LIBRARY_IMPL(dcmha, CPU, m) {
   m.impl("attention", attention_cpu);
   m.impl("attention_forward", attention_forward_cpu);
   m.impl("attention_backward", attention_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(dcmha, Meta, m) {
+  m.impl("attention", attention_meta);
+  m.impl("attention_forward", attention_forward_meta);
+  m.impl("attention_backward", attention_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(dcmha, Autograd, m) { m.impl("attention", attention_autograd); }

@@ -298,5 +298,45 @@ class Threads(unittest.TestCase):
             self.assertTrue(torch.equal(a, b))
 
 
+TORCH_VERSION = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+
+
+@unittest.skipUnless(hasattr(torch.library, "opcheck"),
+                     f"torch.library.opcheck needs torch >= 2.4 (this is {torch.__version__})")
+class OpCheck(unittest.TestCase):
+    """torch's own checks of a custom op: schema, autograd registration, fake (Meta) kernels."""
+
+    def test_attention_ops(self):
+        q, k, v, compose = problem(B=1, H=4, T=5, D=8, pre=("sw", "qw", "kw"))
+        entries = dcmha_torch._compose_entries(compose)
+        leaves(q, k, v, compose)
+        args = (q, k, v, entries, True, 0, 0.0, None, None)
+        torch.library.opcheck(torch.ops.dcmha.attention.default, args)
+        plain = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args[:3])
+        plain_entries = [None if e is None else e.detach() for e in entries]
+        torch.library.opcheck(torch.ops.dcmha.attention_forward.default,
+                              plain + (plain_entries,) + args[4:])
+
+
+@unittest.skipUnless(TORCH_VERSION >= (2, 0),
+                     f"torch.compile needs torch >= 2.0 (this is {torch.__version__})")
+class Compile(unittest.TestCase):
+    def test_compiled_function_matches_eager(self):
+        q, k, v, compose = problem(B=1, H=4, T=6, D=8)
+        inputs = leaves(q, k, v, compose)
+
+        def layer(q, k, v, compose):
+            return (dcmha_torch.attention(q * 1.5, k, v, compose) * 2.0).sum()
+
+        compiled = torch.compile(layer, fullgraph=True)
+        eager_loss = layer(q, k, v, compose)
+        compiled_loss = compiled(q, k, v, compose)
+        self.assertEqual(compiled_loss.item(), eager_loss.item())
+        eager = torch.autograd.grad(eager_loss, inputs)
+        ours = torch.autograd.grad(compiled_loss, inputs)
+        for a, b in zip(ours, eager):
+            self.assertTrue(torch.equal(a, b))
+
+
 if __name__ == "__main__":
     unittest.main()
