@@ -21,12 +21,13 @@ JOBS="${JOBS:-$(nproc 2>/dev/null || echo 2)}"
 # make: cmake's default generator needs it, and Debian's cmake only recommends it.
 # clang, libclang-rt-14-dev, libomp-14-dev: the fuzzer's (scripts/fuzz.sh), installed here so that
 # its build ahead never runs apt-get beside anything else.
+# python3-torch, libtorch-dev: the PyTorch operators' build and tests (python/).
 dcmha_require_packages cmake make g++ libeigen3-dev libgtest-dev libbenchmark-dev clang-format \
-  nlohmann-json3-dev clang libclang-rt-14-dev libomp-14-dev
+  nlohmann-json3-dev clang libclang-rt-14-dev libomp-14-dev python3-torch libtorch-dev
 
 # Every C++ file as .clang-format writes it (clang-format -i FILE... fixes one).
 step "format (clang-format $(clang-format --version | grep -o '[0-9][0-9.]*' | head -n 1))"
-mapfile -t sources < <(find include tests tools bench examples -name '*.hpp' -o -name '*.cpp' \
+mapfile -t sources < <(find include tests tools bench examples python -name '*.hpp' -o -name '*.cpp' \
   -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' | sort)
 clang-format --dry-run --Werror "${sources[@]}"
 RECAP=("format: ${#sources[@]} files as .clang-format writes them")
@@ -91,6 +92,26 @@ recap_of() {
   RECAP+=("$(tail -n 1 "$log")")
   rm -f "$log"
 }
+
+# The PyTorch operators (python/): built against Debian's torch (and against the torch of
+# `python3` on PATH where that is another one), then the libtorch program and the Python tests.
+torch_pythons=(/usr/bin/python3)
+path_python="$(command -v python3 || true)"
+if [ -n "$path_python" ] && [ "$(readlink -f "$path_python")" != "$(readlink -f /usr/bin/python3)" ] &&
+  "$path_python" -c "import torch" 2>/dev/null; then
+  torch_pythons+=("$path_python")
+fi
+for python in "${torch_pythons[@]}"; do
+  torch_version="$("$python" -c 'import torch; print(torch.__version__)')"
+  torch_dir="$BUILD_DIR/torch-$torch_version"
+  step "PyTorch operators against torch $torch_version ($python)"
+  PYTHON="$python" DCMHA_TORCH_WERROR=ON DCMHA_TORCH_TESTS=ON JOBS="$JOBS" \
+    bash scripts/build_torch.sh "$torch_dir"
+  "$torch_dir/build/libtorch_attention"
+  (cd python/tests && PYTHONPATH="$ROOT/$torch_dir" "$python" -m unittest discover -v 2>&1) |
+    tee "$torch_dir/tests.log"
+  RECAP+=("torch $torch_version: $(grep '^Ran ' "$torch_dir/tests.log"), $(tail -n 1 "$torch_dir/tests.log"); libtorch program passed")
+done
 
 # The packaging proof: install into a throw-away prefix and build a separate project that only
 # knows that prefix, exactly as a user would.
