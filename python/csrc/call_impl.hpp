@@ -5,6 +5,7 @@
 
 #include <dcmha/attention.hpp>
 
+#include "arguments.hpp"
 #include "call.hpp"
 #include "views.hpp"
 
@@ -28,19 +29,6 @@ inline dcmha::Workspace& thread_workspace() {
   return workspace;
 }
 
-/// Runs f, turning the library's errors into c10::Error (RuntimeError in Python) with its
-/// message.
-template <class F>
-void translating_errors(F&& f) {
-  try {
-    f();
-  } catch (const dcmha::Error& e) {
-    TORCH_CHECK(false, e.what());
-  } catch (const std::bad_alloc& e) {
-    TORCH_CHECK(false, "dcmha: out of memory: ", e.what());
-  }
-}
-
 inline at::ScalarType accumulator_type(at::ScalarType storage) {
   return storage == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -56,7 +44,7 @@ ForwardResult forward_cpu(const ForwardArgs& a) {
   r.lse =
       at::empty({B, H, T_len}, a.q.options().dtype(detail::accumulator_type(a.q.scalar_type())));
   const dcmha::ComposeWeights<T> compose = compose_weights<T>(a.compose);
-  detail::translating_errors([&] {
+  translating_errors([&] {
     dcmha::forward(detail::config_of(a.settings), view_of<const T, 4>(a.q),
                    view_of<const T, 4>(a.k), view_of<const T, 4>(a.v), view_of<T, 4>(r.out),
                    view_of<Acc, 3>(r.lse), compose, detail::thread_workspace());
@@ -76,7 +64,7 @@ BackwardResult backward_cpu(const BackwardArgs& a) {
     if (in.compose[e].defined()) r.dcompose[e] = at::empty(in.compose[e].sizes(), in.q.options());
   const dcmha::ComposeWeights<T> compose = compose_weights<T>(in.compose);
   const dcmha::ComposeGrads<T> dcompose = compose_grads<T>(r.dcompose);
-  detail::translating_errors([&] {
+  translating_errors([&] {
     dcmha::backward(detail::config_of(in.settings), view_of<const T, 4>(in.q),
                     view_of<const T, 4>(in.k), view_of<const T, 4>(in.v),
                     view_of<const Acc, 3>(a.lse), view_of<const T, 4>(a.dout), view_of<T, 4>(r.dq),

@@ -27,19 +27,6 @@ namespace dcmha_torch {
 
 namespace {
 
-using OptionalTensorList = c10::List<c10::optional<at::Tensor>>;
-
-ComposeEntries side_entries(const char* fn, const char* name, const OptionalTensorList& list) {
-  TORCH_CHECK(list.size() == 0 || list.size() == kComposeEntries, fn, ": ", name,
-              ": expected 0 or ", kComposeEntries, " compose entries, got ", list.size());
-  ComposeEntries e;
-  for (size_t i = 0; i < list.size(); ++i) {
-    const c10::optional<at::Tensor> t = list.get(i);
-    if (t.has_value()) e[i] = *t;
-  }
-  return e;
-}
-
 /// The storage type of a held cache (unevaluated: for decltype).
 template <class T>
 T scalar_of(const std::unique_ptr<dcmha::DecodeCache<T>>&);
@@ -58,7 +45,7 @@ class DecodeCacheHolder : public torch::CustomClassHolder {
                 ": dtype: expected \"float32\" or \"float64\" (half-precision caches are not "
                 "built yet), got \"",
                 dtype, "\"");
-    detail::translating_errors([&] {
+    translating_errors([&] {
       if (dtype == "float32")
         cache_ = std::make_unique<dcmha::DecodeCache<float>>(c);
       else
@@ -72,13 +59,13 @@ class DecodeCacheHolder : public torch::CustomClassHolder {
     const char* fn = "dcmha.DecodeCache.append";
     check_dtype(fn, "k_new", k_new);
     check_dtype(fn, "v_new", v_new);
-    const ComposeEntries entries = side_entries(fn, "key_side", key_side);
+    const ComposeEntries entries = entries_of(fn, "key_side", key_side);
     check_entries(fn, "key_side", entries);
-    if (counts) check_lengths_tensor(fn, "counts", *counts);
+    if (counts) check_lengths(fn, "counts", *counts);
     std::visit(
         [&](auto& cache) {
           using T = decltype(scalar_of(cache));
-          detail::translating_errors([&] {
+          translating_errors([&] {
             cache->append(view_of<const T, 4>(k_new), view_of<const T, 4>(v_new),
                           compose_weights<T>(entries),
                           counts ? view_of<const dcmha::index_t, 1>(*counts)
@@ -93,7 +80,7 @@ class DecodeCacheHolder : public torch::CustomClassHolder {
     check_dtype(fn, "q_new", q_new);
     TORCH_CHECK(q_new.dim() == 4, fn, ": q_new: expected 4 dims (B, H, n, D), got ", q_new.dim());
     TORCH_CHECK(scale >= 0.0, fn, ": scale: expected > 0 (0 for 1/sqrt(D)), got ", scale);
-    const ComposeEntries entries = side_entries(fn, "query_side", query_side);
+    const ComposeEntries entries = entries_of(fn, "query_side", query_side);
     check_entries(fn, "query_side", entries);
     at::Tensor out;
     std::visit(
@@ -105,7 +92,7 @@ class DecodeCacheHolder : public torch::CustomClassHolder {
           cfg.scale = scale;
           cfg.window = c.window;
           cfg.num_threads = at::get_num_threads();
-          detail::translating_errors([&] {
+          translating_errors([&] {
             dcmha::decode(cfg, view_of<const T, 4>(q_new), *cache, compose_weights<T>(entries),
                           view_of<T, 4>(out), detail::thread_workspace());
           });
@@ -144,11 +131,6 @@ class DecodeCacheHolder : public torch::CustomClassHolder {
                   " ", i < kSideEntries ? "pre " : "post ", entry_name(i), ": expected ",
                   dcmha_rank(i) - 1, " or ", dcmha_rank(i), " dims, got ", e[i].dim());
     }
-  }
-  void check_lengths_tensor(const char* fn, const char* name, const at::Tensor& t) const {
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1, fn, ": ", name,
-                ": expected a 1-d int64 CPU tensor, got ", t.scalar_type(), " of ", t.dim(),
-                " dims on ", t.device());
   }
   void check_sequence(int64_t b) const {
     const int64_t B = std::visit([](const auto& cache) { return int64_t(cache->batch()); }, cache_);

@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "arguments.hpp"
 #include "call.hpp"
 #include "views.hpp"
 
@@ -27,21 +28,7 @@ namespace dcmha_torch {
 
 namespace {
 
-using OptionalTensorList = c10::List<c10::optional<at::Tensor>>;
-
 constexpr const char* kEntryNames[kSideEntries] = {"sw", "qw1", "qw2", "kw1", "kw2", "qdd", "kdd"};
-
-ComposeEntries entries_of(const char* fn, const OptionalTensorList& compose) {
-  TORCH_CHECK(compose.size() == 0 || compose.size() == kComposeEntries, fn,
-              ": compose: expected 0 entries (multi-head attention) or ", kComposeEntries,
-              " (pre and post: sw, qw1, qw2, kw1, kw2, qdd, kdd), got ", compose.size());
-  ComposeEntries e;
-  for (size_t i = 0; i < compose.size(); ++i) {
-    const c10::optional<at::Tensor> t = compose.get(i);
-    if (t.has_value()) e[i] = *t;
-  }
-  return e;
-}
 
 OptionalTensorList list_of(const ComposeEntries& e) {
   OptionalTensorList list;
@@ -79,15 +66,6 @@ void check_tensor(const char* fn, const std::string& name, const at::Tensor& t,
               "; this build of dcmha_torch has CPU kernels only");
   TORCH_CHECK(t.scalar_type() == dtype, fn, ": ", name, " has dtype ", t.scalar_type(),
               ", expected ", dtype, " (q's)");
-}
-
-void check_lengths(const char* fn, const char* name, const at::Tensor& t) {
-  if (!t.defined()) return;
-  TORCH_CHECK(t.device().is_cpu(), fn, ": ", name, " is on ", t.device(),
-              ", expected a CPU tensor");
-  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == 1, fn, ": ", name,
-              ": expected a 1-d int64 tensor of B values, got ", t.scalar_type(), " of ", t.dim(),
-              " dims");
 }
 
 template <class F>
@@ -143,7 +121,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     const OptionalTensorList& compose, bool causal, int64_t window, double scale,
     const c10::optional<at::Tensor>& query_lengths, const c10::optional<at::Tensor>& key_lengths) {
   const char* fn = "dcmha.attention_forward";
-  const ComposeEntries entries = entries_of(fn, compose);
+  const ComposeEntries entries = entries_of(fn, "compose", compose);
   const Settings s = settings_of(causal, window, scale, query_lengths, key_lengths);
   const ForwardArgs args{q, k, v, entries, s};
   check_arguments(fn, args);
@@ -158,7 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attentio
     int64_t window, double scale, const c10::optional<at::Tensor>& query_lengths,
     const c10::optional<at::Tensor>& key_lengths) {
   const char* fn = "dcmha.attention_backward";
-  const ComposeEntries entries = entries_of(fn, compose);
+  const ComposeEntries entries = entries_of(fn, "compose", compose);
   const Settings s = settings_of(causal, window, scale, query_lengths, key_lengths);
   const ForwardArgs inputs{q, k, v, entries, s};
   check_arguments(fn, inputs);
@@ -235,7 +213,7 @@ at::Tensor attention_autograd(const at::Tensor& q, const at::Tensor& k, const at
                               const OptionalTensorList& compose, bool causal, int64_t window,
                               double scale, const c10::optional<at::Tensor>& query_lengths,
                               const c10::optional<at::Tensor>& key_lengths) {
-  const ComposeEntries entries = entries_of("dcmha.attention", compose);
+  const ComposeEntries entries = entries_of("dcmha.attention", "compose", compose);
   return apply_attention(q, k, v, settings_of(causal, window, scale, query_lengths, key_lengths),
                          entries, std::make_index_sequence<kComposeEntries>());
 }
@@ -258,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& q, c
                                                           const c10::optional<at::Tensor>&,
                                                           const c10::optional<at::Tensor>&) {
   const char* fn = "dcmha.attention_forward";
-  entries_of(fn, compose);
+  entries_of(fn, "compose", compose);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
               ": q, k, v: expected 4 dims each, got ", q.dim(), ", ", k.dim(), ", ", v.dim());
   const at::ScalarType lse_type = q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -278,7 +256,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attentio
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const OptionalTensorList& compose, const at::Tensor&, const at::Tensor&, bool, int64_t, double,
     const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&) {
-  const ComposeEntries entries = entries_of("dcmha.attention_backward", compose);
+  const ComposeEntries entries = entries_of("dcmha.attention_backward", "compose", compose);
   std::vector<at::Tensor> dcompose;
   for (const at::Tensor& e : entries)
     if (e.defined()) dcompose.push_back(at::empty(e.sizes(), e.options()));

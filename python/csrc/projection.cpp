@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "arguments.hpp"
 #include "views.hpp"
 
 namespace dcmha_torch {
@@ -85,15 +86,6 @@ template <class T>
 dcmha::DynamicWeightProjection<T> parameters_of(const at::Tensor& dw1, const at::Tensor& qkw,
                                                 const at::Tensor& dd) {
   return {view_of<const T, 4>(dw1), view_of<const T, 5>(qkw), view_of<const T, 3>(dd)};
-}
-
-template <class F>
-void translating_errors(F&& f) {
-  try {
-    f();
-  } catch (const dcmha::Error& e) {
-    TORCH_CHECK(false, e.what());
-  }
 }
 
 template <class F>
