@@ -14,11 +14,9 @@
 
 namespace {
 
-using dcmha::test::bf16_problem;
 using dcmha::test::Layout;
 using dcmha::test::ProblemSpec;
-using dcmha::test::round_all;
-using dcmha::test::round_to_bf16;
+using dcmha::test::round_to;
 using dcmha::test::SideSpec;
 using dcmha::test::TypedProblem;
 using dcmha::test::with_gradients;
@@ -626,10 +624,10 @@ TYPED_TEST(AttentionVsReference, WorkspaceKeptBetweenCalls) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// bf16 storage: float arithmetic on the widened values, results rounded once (config.hpp). So
-// on inputs that are bf16 values, every output and gradient must be exactly the float kernels'
-// result rounded to bf16: a stricter check than a tolerance, and one that covers every switch
-// and tile edge the float tests cover.
+// bf16 and fp16 storage: float arithmetic on the widened values, results rounded once
+// (config.hpp). So on inputs that are values of the storage type, every output and gradient must
+// be exactly the float kernels' result rounded to that type: a stricter check than a tolerance,
+// and one that covers every switch and tile edge the float tests cover.
 
 /// Every output (out, lse, gradients) of forward + backward, in a fixed order.
 template <class T>
@@ -647,40 +645,45 @@ std::vector<double> run_all(const dcmha::reference::Problem& p, const std::vecto
   return with_gradients(std::move(all), tp.gradients());
 }
 
-/// bf16 storage against float storage on the same (bf16-valued) inputs: equal after rounding
-/// the float results (lse is float in both).
-void check_bf16_is_rounded_float(const ProblemSpec& spec, uint64_t seed, int threads,
-                                 Layout layout = Layout::bhtd) {
+/// Storage type against float storage on the same (Storage-valued) inputs: equal after rounding the
+/// float results to Storage (lse is float in both).
+template <class Storage>
+void check_storage_is_rounded_float(const ProblemSpec& spec, uint64_t seed, int threads,
+                                    Layout layout = Layout::bhtd) {
   SCOPED_TRACE(spec.str() + " threads=" + std::to_string(threads) +
                (layout == Layout::bthd ? " bthd" : " bhtd") + " seed=" + std::to_string(seed));
-  const dcmha::reference::Problem p = bf16_problem(dcmha::test::random_problem(spec, seed));
+  const dcmha::reference::Problem p =
+      dcmha::test::storage_problem<Storage>(dcmha::test::random_problem(spec, seed));
   std::vector<double> dout = dcmha::test::random_dout(p, seed);
-  round_all(dout);
+  for (double& x : dout) x = round_to<Storage>(x);
   const std::vector<double> f = run_all<float>(p, dout, threads, layout);
-  const std::vector<double> h = run_all<dcmha::bf16>(p, dout, threads, layout);
+  const std::vector<double> h = run_all<Storage>(p, dout, threads, layout);
   ASSERT_EQ(f.size(), h.size());
   const size_t n_out = size_t(p.B * p.H * p.T * p.Dv), n_lse = size_t(p.B * p.H * p.T);
   size_t mismatches = 0, first = 0;
   for (size_t i = 0; i < f.size(); ++i) {
     const bool is_lse = i >= n_out && i < n_out + n_lse;
-    const double want = is_lse ? f[i] : round_to_bf16(f[i]);
+    const double want = is_lse ? f[i] : round_to<Storage>(f[i]);
     const bool same = want == h[i];  // -inf == -inf for rows without keys
     if (!same && mismatches++ == 0) first = i;
   }
   EXPECT_EQ(mismatches, 0u) << "first at element " << first << " of " << f.size()
                             << " (out: " << n_out << ", lse: " << n_lse << "): float " << f[first]
-                            << " bf16 " << h[first];
+                            << " storage " << h[first];
 }
 
-TEST(Bf16Storage, RandomProblemsAreTheRoundedFloatResults) {
+template <class Storage>
+void check_random_problems(uint64_t seed0, int count) {
   dcmha::test::Rng rng(77);
-  for (int i = 0; i < 60; ++i) {
+  for (int i = 0; i < count; ++i) {
     const ProblemSpec s = random_spec(rng);
-    check_bf16_is_rounded_float(s, 3000 + i, 1 + i % 3, i % 2 ? Layout::bthd : Layout::bhtd);
+    check_storage_is_rounded_float<Storage>(s, seed0 + uint64_t(i), 1 + i % 3,
+                                            i % 2 ? Layout::bthd : Layout::bhtd);
   }
 }
 
-TEST(Bf16Storage, TileEdgesAreTheRoundedFloatResults) {
+template <class Storage>
+void check_tile_edges() {
   // Query blocks of 64 rows +-1 (forward) and 128 +-1 (backward), key tiles and thread splits
   // (S around 16, 32, 64 multiples), decode-sized blocks (T < 8: the few-rows products), one team
   // and whole items per thread.
@@ -698,7 +701,7 @@ TEST(Bf16Storage, TileEdgesAreTheRoundedFloatResults) {
       s.causal = T % 2 == 1;
       s.pre = s.post = SideSpec::dynamic();
       for (int threads : {1, 2})
-        check_bf16_is_rounded_float(s, uint64_t(T * 1000 + S), threads, Layout::bthd);
+        check_storage_is_rounded_float<Storage>(s, uint64_t(T * 1000 + S), threads, Layout::bthd);
     }
   }
   ProblemSpec wide;  // one item, whole query blocks per thread, 128-row blocks (QueryBlockEdges)
@@ -712,7 +715,7 @@ TEST(Bf16Storage, TileEdgesAreTheRoundedFloatResults) {
   wide.Dv = 8;
   wide.causal = true;
   wide.pre = wide.post = SideSpec::dynamic();
-  check_bf16_is_rounded_float(wide, 6, 2);
+  check_storage_is_rounded_float<Storage>(wide, 6, 2);
   ProblemSpec many;  // many groups: each thread takes whole (batch, group) items
   many.B = 2;
   many.H = 8;
@@ -723,12 +726,13 @@ TEST(Bf16Storage, TileEdgesAreTheRoundedFloatResults) {
   many.D = 16;
   many.Dv = 16;
   many.causal = true;
-  check_bf16_is_rounded_float(many, 5, 2);
+  check_storage_is_rounded_float<Storage>(many, 5, 2);
 }
 
-TEST(Bf16Storage, OfficialConfigurationAgainstTheReference) {
-  // And within bf16's resolution of the float64 reference (one rounding of the result: 2^-9
-  // relative, plus the float arithmetic's error).
+/// The official configuration in a storage type against the float64 reference: within its
+/// resolution (one rounding of the result, plus the float arithmetic's error).
+template <class Storage>
+void check_against_reference(double tolerance) {
   ProblemSpec s;
   s.B = 1;
   s.H = 8;
@@ -740,40 +744,33 @@ TEST(Bf16Storage, OfficialConfigurationAgainstTheReference) {
   s.G = 1;
   s.causal = true;
   s.pre = s.post = SideSpec::dynamic();
-  const dcmha::reference::Problem p = bf16_problem(dcmha::test::random_problem(s, 11));
+  const dcmha::reference::Problem p =
+      dcmha::test::storage_problem<Storage>(dcmha::test::random_problem(s, 11));
   std::vector<double> dout = dcmha::test::random_dout(p, 11);
-  round_all(dout);
-  TypedProblem<dcmha::bf16> tp(p, Layout::bthd);
+  for (double& x : dout) x = round_to<Storage>(x);
+  TypedProblem<Storage> tp(p, Layout::bthd);
   tp.num_threads = 2;
   tp.set_dout(dout);
   dcmha::forward(tp.config(), tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose());
   dcmha::backward(tp.config(), tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(), tp.dk(),
                   tp.dv(), tp.compose(), tp.dcompose());
-  EXPECT_LE(dcmha::test::max_rel_error(dcmha::reference::forward(p), tp.out_values()), 4e-3)
+  EXPECT_LE(dcmha::test::max_rel_error(dcmha::reference::forward(p), tp.out_values()), tolerance)
       << "out";
   for (const auto& e :
        dcmha::test::gradient_errors(dcmha::reference::backward(p, dout), tp.gradients()))
-    EXPECT_LE(e.rel, 4e-3) << e.name;
+    EXPECT_LE(e.rel, tolerance) << e.name;
 }
 
-TEST(Bf16Storage, ConversionsRoundAsEigenDoes) {
-  // The vector paths of the kernels' edges against Eigen's scalar bfloat16(float): ties to even
-  // both ways, values that round up into the exponent or to infinity, subnormals, signed zeros,
-  // infinities and NaNs of either sign; 37 values, so that the scalar tails run too.
-  const uint32_t bits[] = {
-      0x3f808000u, 0x3f818000u, 0x3f807fffu, 0x3f808001u, 0x3fffffffu, 0x7f7fffffu, 0xff7fffffu,
-      0x00000001u, 0x80008000u, 0x00018000u, 0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u,
-      0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff812345u, 0x3eaaaaabu, 0xbeaaaaabu, 0x40490fdbu,
-      0xc0490fdbu, 0x3f7fff80u, 0x3f7fff7fu, 0x3f7fff81u, 0x477fe000u, 0x477ff000u, 0x00800000u,
-      0x007fffffu, 0x4b000001u, 0x3dcccccdu, 0xbdcccccdu, 0x42f6e979u, 0xc2f6e979u, 0x3f000080u,
-      0x3f000180u, 0x33d6bf95u};
-  const size_t n = std::size(bits);
+/// The vector paths of the kernels' edges against Eigen's scalar conversions, both ways.
+template <class Storage>
+void check_conversions_round_as_eigen_does(const std::vector<uint32_t>& bits) {
+  const size_t n = bits.size();
   std::vector<float> x(n);
   for (size_t i = 0; i < n; ++i) std::memcpy(&x[i], &bits[i], 4);
-  std::vector<dcmha::bf16> narrowed(n);
+  std::vector<Storage> narrowed(n);
   dcmha::cpu::narrow_row(x.data(), narrowed.data(), dcmha::index_t(n));
   for (size_t i = 0; i < n; ++i) {
-    const dcmha::bf16 want(x[i]);
+    const Storage want(x[i]);
     EXPECT_EQ(Eigen::numext::bit_cast<uint16_t>(narrowed[i]),
               Eigen::numext::bit_cast<uint16_t>(want))
         << "value " << i << " bits " << std::hex << bits[i];
@@ -784,6 +781,52 @@ TEST(Bf16Storage, ConversionsRoundAsEigenDoes) {
     const float want = static_cast<float>(narrowed[i]);
     EXPECT_EQ(std::memcmp(&widened[i], &want, 4), 0) << "value " << i;
   }
+}
+
+TEST(Bf16Storage, RandomProblemsAreTheRoundedFloatResults) {
+  check_random_problems<dcmha::bf16>(3000, 60);
+}
+
+TEST(Bf16Storage, TileEdgesAreTheRoundedFloatResults) { check_tile_edges<dcmha::bf16>(); }
+
+TEST(Bf16Storage, OfficialConfigurationAgainstTheReference) {
+  check_against_reference<dcmha::bf16>(4e-3);  // 2^-9 relative rounding
+}
+
+TEST(Bf16Storage, ConversionsRoundAsEigenDoes) {
+  // Ties to even both ways, values that round up into the exponent or to infinity, subnormals,
+  // signed zeros, infinities and NaNs of either sign; 37 values, so that the scalar tails run too.
+  check_conversions_round_as_eigen_does<dcmha::bf16>(
+      {0x3f808000u, 0x3f818000u, 0x3f807fffu, 0x3f808001u, 0x3fffffffu, 0x7f7fffffu, 0xff7fffffu,
+       0x00000001u, 0x80008000u, 0x00018000u, 0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u,
+       0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff812345u, 0x3eaaaaabu, 0xbeaaaaabu, 0x40490fdbu,
+       0xc0490fdbu, 0x3f7fff80u, 0x3f7fff7fu, 0x3f7fff81u, 0x477fe000u, 0x477ff000u, 0x00800000u,
+       0x007fffffu, 0x4b000001u, 0x3dcccccdu, 0xbdcccccdu, 0x42f6e979u, 0xc2f6e979u, 0x3f000080u,
+       0x3f000180u, 0x33d6bf95u});
+}
+
+TEST(HalfStorage, RandomProblemsAreTheRoundedFloatResults) {
+  check_random_problems<dcmha::half>(5000, 30);
+}
+
+TEST(HalfStorage, TileEdgesAreTheRoundedFloatResults) { check_tile_edges<dcmha::half>(); }
+
+TEST(HalfStorage, OfficialConfigurationAgainstTheReference) {
+  check_against_reference<dcmha::half>(1e-3);  // 2^-11 relative rounding
+}
+
+TEST(HalfStorage, ConversionsRoundAsEigenDoes) {
+  // Ties to even at fp16's 13 dropped bits (1 + 2^-11, 1 + 3 * 2^-11), just below and above a
+  // tie, rounding up into the next exponent, 65504 and the values that round to it or overflow to
+  // infinity, the smallest normal, subnormals and the halfway point below the smallest one, signed
+  // zeros, infinities and NaNs; 37 values, so that the scalar tails run too.
+  check_conversions_round_as_eigen_does<dcmha::half>(
+      {0x3f801000u, 0x3f803000u, 0x3f800fffu, 0x3f801001u, 0x3fffffffu, 0x477fe000u, 0x477fefffu,
+       0x477ff000u, 0xc77ff000u, 0x7f7fffffu, 0x38800000u, 0x38000000u, 0x33800000u, 0x33000000u,
+       0x33000001u, 0x337fffffu, 0x00000001u, 0x00000000u, 0x80000000u, 0x7f800000u, 0xff800000u,
+       0x7fc00000u, 0xffc00000u, 0x3eaaaaabu, 0xbeaaaaabu, 0x40490fdbu, 0xc0490fdbu, 0x3dcccccdu,
+       0xbdcccccdu, 0x42f6e979u, 0xc2f6e979u, 0x387fc000u, 0x387fe000u, 0x3f7ff000u, 0x3f7ff800u,
+       0x461c4000u, 0x4b000001u});
 }
 
 TEST(AttentionApi, MhaIsDcmhaWithComposeOff) {

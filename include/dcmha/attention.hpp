@@ -11,7 +11,8 @@
 //   lse (B, H, T): per-row softmax statistics written by forward and read by backward; the only
 //   state kept between the two (O(B*H*T), never B*H*T*S). Pass an empty view for inference.
 // Hk divides H (GQA: head h reads kv head h / (H / Hk)). Gradients are overwritten, not added.
-// Scalar types: float, double, and bf16 storage (config.hpp: float arithmetic, float lse).
+// Scalar types: float, double, and bf16 and fp16 storage (config.hpp: float arithmetic, float
+// lse).
 // Each entry point also takes a trailing Workspace& (after compose / dcompose, which may be {}):
 // the kernels' buffers are then kept in it between calls instead of allocated per call.
 #include "compose_weights.hpp"
@@ -87,6 +88,7 @@ void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorV
 DCMHA_DEFINE_ATTENTION_ENTRY_POINTS(float)
 DCMHA_DEFINE_ATTENTION_ENTRY_POINTS(double)
 DCMHA_DEFINE_ATTENTION_ENTRY_POINTS(bf16)
+DCMHA_DEFINE_ATTENTION_ENTRY_POINTS(half)
 #undef DCMHA_DEFINE_ATTENTION_ENTRY_POINTS
 
 }  // namespace dcmha

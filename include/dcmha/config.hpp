@@ -51,8 +51,8 @@ using acc_t = typename accumulator<T>::type;
 using bf16 = Eigen::bfloat16;
 
 /// IEEE float16 storage (the DCFormer-2.8B and DCPythia checkpoints' type), with the same
-/// contract as bf16: arithmetic and lse in float, each result rounded once. The CUDA backend takes
-/// it; the CPU entry points take float, double and bf16.
+/// contract as bf16: arithmetic and lse in float, each result rounded once. The CPU attention
+/// entry points and the CUDA backend take it.
 using half = Eigen::half;
 
 }  // namespace dcmha

@@ -1,14 +1,15 @@
 #pragma once
-// Narrow storage (bf16 tensors) against float arithmetic: the conversions at the kernels' edges.
+// Narrow storage (bf16 and fp16 tensors) against float arithmetic: the conversions at the kernels'
+// edges.
 //
-// With bf16 storage the kernels' arithmetic is exactly the float kernels' on the widened values
-// (bf16 -> float is exact): caller tensors are widened while packing the tile products' operands,
-// which the float kernels pack anyway (key tiles, the backward's Q and dO rows), except where
-// float reads them in place: the forward's Q (packed once per query block) and decode-sized
-// blocks' K and V rows (copied in row order, so the few-rows products keep their arithmetic);
-// results are accumulated in float buffers and rounded to bf16 (to nearest, ties to even) once,
-// when written to the caller's tensors. So a bf16 result is the float kernels' result on the same
-// inputs, rounded once.
+// With narrow storage the kernels' arithmetic is exactly the float kernels' on the widened values
+// (bf16 -> float and fp16 -> float are exact): caller tensors are widened while packing the tile
+// products' operands, which the float kernels pack anyway (key tiles, the backward's Q and dO
+// rows), except where float reads them in place: the forward's Q (packed once per query block) and
+// decode-sized blocks' K and V rows (copied in row order, so the few-rows products keep their
+// arithmetic); results are accumulated in float buffers and rounded to the storage type (to
+// nearest, ties to even) once, when written to the caller's tensors. So a bf16 or fp16 result is
+// the float kernels' result on the same inputs, rounded once.
 #include <Eigen/Core>
 #include <type_traits>
 
@@ -21,9 +22,20 @@
 
 namespace dcmha::cpu {
 
-/// Whether the AVX2 paths for bf16 <-> float are compiled in (the scalar loops are the fallback).
+/// Whether the vector path for storage type S <-> float is compiled in (the scalar loops, which
+/// round as Eigen does, are the fallback): AVX for float, AVX2 for bf16, AVX2 with F16C for fp16.
+template <class S>
+constexpr bool kVectorStorage = false;
+#if defined(__AVX__)
+template <>
+constexpr bool kVectorStorage<float> = true;
+inline __m256 load8_widened(const float* p) { return _mm256_loadu_ps(p); }
+inline void store8_narrowed(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+#endif
+
 #if defined(__AVX2__)
-constexpr bool kVectorBf16 = true;
+template <>
+constexpr bool kVectorStorage<bf16> = true;
 
 /// Eight bf16 values widened to float: a bf16 is the upper half of the float's bits.
 inline __m256 load8_widened(const bf16* p) {
@@ -46,19 +58,31 @@ inline void store8_narrowed(bf16* p, __m256 x) {
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
-#else
-constexpr bool kVectorBf16 = false;
 #endif
-#if defined(__AVX__)
-inline __m256 load8_widened(const float* p) { return _mm256_loadu_ps(p); }
+
+#if defined(__AVX2__) && defined(__F16C__)
+template <>
+constexpr bool kVectorStorage<half> = true;
+
+/// Eight fp16 values widened to float (exact).
+inline __m256 load8_widened(const half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+/// Eight floats rounded to fp16 to nearest, ties to even: the instruction Eigen's half(float)
+/// uses when F16C is compiled in, so that results do not depend on which path wrote them.
+inline void store8_narrowed(half* p, __m256 x) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 #endif
 
 /// dst[e] = alpha * src[e] in the accumulator type A, for e < n.
 template <class A, class S>
 inline void widen_row(const S* src, A* dst, index_t n, A alpha) {
   index_t e = 0;
-#if defined(__AVX2__)
-  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>) {
+#if defined(__AVX__)
+  if constexpr (kVectorStorage<S> && std::is_same_v<A, float>) {
     const __m256 s = _mm256_set1_ps(alpha);
     for (; e + 8 <= n; e += 8) _mm256_storeu_ps(dst + e, _mm256_mul_ps(load8_widened(src + e), s));
   }
@@ -70,8 +94,8 @@ inline void widen_row(const S* src, A* dst, index_t n, A alpha) {
 template <class S, class A>
 inline void narrow_row(const A* src, S* dst, index_t n) {
   index_t e = 0;
-#if defined(__AVX2__)
-  if constexpr (std::is_same_v<S, bf16> && std::is_same_v<A, float>)
+#if defined(__AVX__)
+  if constexpr (kVectorStorage<S> && std::is_same_v<A, float>)
     for (; e + 8 <= n; e += 8) store8_narrowed(dst + e, _mm256_loadu_ps(src + e));
 #endif
   for (; e < n; ++e) dst[e] = S(src[e]);

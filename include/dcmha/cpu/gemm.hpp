@@ -121,13 +121,13 @@ inline index_t nn_row_block(index_t ncol, index_t depth, const A* a, index_t ars
 /// becomes the broadcast-A product gemm_nn. Packing one key tile costs 1/rows of the product it
 /// feeds (one transpose per element against `rows` multiply-adds); dot products along the depth
 /// instead need a horizontal reduction per output and two loads per multiply-add. B may be narrower
-/// storage (bf16), widened here.
+/// storage (bf16, fp16), widened here.
 template <class A, class S>
 void pack_transposed(index_t n, index_t depth, const S* b, index_t ldb, A alpha, A* bt,
                      index_t ldt) {
   index_t j = 0;
 #if defined(__AVX__)
-  if constexpr (std::is_same_v<A, float> && (std::is_same_v<S, float> || kVectorBf16)) {
+  if constexpr (std::is_same_v<A, float> && kVectorStorage<S>) {
     for (; j + 8 <= n; j += 8) {
       index_t d = 0;
       for (; d + 8 <= depth; d += 8) {
