@@ -1,7 +1,7 @@
 #pragma once
 // One attention call as the PyTorch operators receive it: the tensors, the compose entries in the
 // official order, and the settings; and the typed CPU calls that carry it out (one translation
-// unit per scalar type: call_float.cpp, call_double.cpp, call_bf16.cpp).
+// unit per scalar type: call_float.cpp, call_double.cpp, call_bf16.cpp, call_half.cpp).
 #include <ATen/ATen.h>
 
 #include <array>
@@ -56,8 +56,8 @@ struct BackwardArgs {
 /// the argument's name; dcmha's own validation checks the rest.
 void check_arguments(const char* fn, const ForwardArgs& a);
 
-/// The typed CPU calls (T: float, double, dcmha::bf16). dcmha::Error becomes c10::Error with the
-/// library's message.
+/// The typed CPU calls (T: float, double, dcmha::bf16, dcmha::half). dcmha::Error becomes
+/// c10::Error with the library's message.
 template <class T>
 ForwardResult forward_cpu(const ForwardArgs& a);
 template <class T>

@@ -77,8 +77,11 @@ decltype(auto) typed(const char* fn, at::ScalarType dtype, F&& f) {
       return f(double{});
     case at::kBFloat16:
       return f(dcmha::bf16{});
+    case at::kHalf:
+      return f(dcmha::half{});
     default:
-      TORCH_CHECK(false, fn, ": q has dtype ", dtype, ", expected float32, float64 or bfloat16");
+      TORCH_CHECK(false, fn, ": q has dtype ", dtype,
+                  ", expected float32, float64, bfloat16 or float16");
   }
 }
 

@@ -4,6 +4,7 @@
 // ((B, L, R, N), (B, L, N), (N, N)): they get one of size 1, which needs no copy either.
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <dcmha/compose_weights.hpp>
 #include <dcmha/config.hpp>
@@ -16,6 +17,7 @@
 namespace dcmha_torch {
 
 static_assert(sizeof(dcmha::bf16) == sizeof(c10::BFloat16), "bf16 layouts differ");
+static_assert(sizeof(dcmha::half) == sizeof(c10::Half), "fp16 layouts differ");
 
 /// The view of a defined tensor of rank N (the caller has checked the rank); empty otherwise.
 template <class T, int N>

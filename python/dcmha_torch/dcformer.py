@@ -44,8 +44,8 @@ Training (`is_training`; the official chunked loop over `q_chunk_size` query blo
     runs T // q_chunk_size chunks); all reproduced.
   * The output is cast to the module's `torch_dtype` as the official `y` buffer is.
   * Not reproduced: `_atten_context` rounds the probabilities to bfloat16 before the post
-    compose; dcmha keeps the inputs' dtype (float32 accumulation for bf16/float32, float64 for
-    float64). A float32/float64 model therefore matches the official one with that cast
+    compose; dcmha keeps the inputs' dtype (float32 accumulation for bf16/fp16/float32, float64
+    for float64). A float32/float64 model therefore matches the official one with that cast
     removed, and a bf16 model differs by that rounding.
 
 Prefill (inference, L > 1 tokens) and decode (inference, one token):
