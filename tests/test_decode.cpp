@@ -542,6 +542,40 @@ TYPED_TEST(Decode, PaddedBatchLongestNotFirst) {
       check_decode<TypeParam>(s, longest_in_the_middle());
 }
 
+// bf16 and fp16 caches: the float kernels on the widened values, each output rounded once. On a
+// problem whose inputs are values of the storage type, every row of every step must be the float
+// decode's row rounded, bitwise: every switch group, global and window layers, a padded batch
+// whose ring wraps, and token-by-token steps into caller memory.
+template <class Storage>
+void check_decode_is_rounded_float(const ProblemSpec& spec, const Schedule& sch) {
+  SCOPED_TRACE(spec.str() + " " + describe(sch));
+  const dcmha::reference::Problem p =
+      dcmha::test::storage_problem<Storage>(dcmha::test::random_problem(spec, 7));
+  const std::vector<double> f = run_decode<float>(p, spec, sch);
+  const std::vector<double> h = run_decode<Storage>(p, spec, sch);
+  ASSERT_EQ(f.size(), h.size());
+  size_t mismatches = 0, first = 0;
+  for (size_t i = 0; i < f.size(); ++i)
+    if (dcmha::test::round_to<Storage>(f[i]) != h[i] && mismatches++ == 0) first = i;
+  EXPECT_EQ(mismatches, 0u) << "first at " << first << ": float " << f[first] << ", storage "
+                            << h[first];
+}
+
+template <class Storage>
+void check_decode_storage() {
+  Schedule token_by_token;
+  token_by_token.prefill_all = 3;
+  token_by_token.caller_memory = true;
+  for (int64_t window : {0, 4})
+    for (const ProblemSpec& s : switch_groups(window)) {
+      check_decode_is_rounded_float<Storage>(s, longest_in_the_middle());
+      check_decode_is_rounded_float<Storage>(s, token_by_token);
+    }
+}
+
+TEST(DecodeStorage, Bf16IsTheRoundedFloatDecode) { check_decode_storage<dcmha::bf16>(); }
+TEST(DecodeStorage, Fp16IsTheRoundedFloatDecode) { check_decode_storage<dcmha::half>(); }
+
 // ---------------------------------------------------------------------------------------------
 // A global cache that sequences fill
 

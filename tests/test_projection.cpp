@@ -108,7 +108,7 @@ void for_each_offset(const Shape<N>& shape, const Shape<N>& stride, F&& f) {
 /// view holds a sentinel so that stray writes are caught.
 template <class T, int N>
 struct Owned {
-  static constexpr T kSentinel = T(777.25);
+  static inline const T kSentinel = T(777.25);  // exact in bf16 and fp16 too
   std::vector<T> mem;
   TensorView<T, N> v;
 
@@ -597,6 +597,67 @@ TEST(ProductionVsReferenceStrided, MutableUpstreamGradients) {
                                   pr.grads());
   const dcmha::DynamicWeights<const float> ro = dcmha::read_only(dout);
   EXPECT_EQ(ro.post.kdd.data, dout.post.kdd.data);
+}
+
+// bf16 and fp16 storage: the float kernels on widened contiguous copies, each result rounded
+// once. On inputs that are values of the storage type, every output and gradient is the float
+// projection's on contiguous inputs, rounded, bitwise, whatever the narrow tensors' layouts, with
+// recomputed and with kept (float) activations. (The float kernels' own results depend on the
+// input layout in the last bits: a batch gap splits the GEMMs.)
+template <class S>
+double round_to(double x) {
+  return double(static_cast<float>(S(static_cast<float>(x))));
+}
+
+template <class S>
+std::vector<double> rounded(std::vector<double> v) {
+  for (double& e : v) e = round_to<S>(e);
+  return v;
+}
+
+template <class S>
+void narrow_is_rounded_float(const ProdCase& pc) {
+  SCOPED_TRACE("in " + layout_name(pc.in) + ", out " + layout_name(pc.out));
+  const ref::ProjectionShape s = pc.d.shape(pc.tanh_gelu);
+  std::mt19937_64 rng(99 + pc.d.E);
+  const std::vector<double> x = rounded<S>(random_vector(rng, s.x_size(), 1.0));
+  ref::ProjectionParams p = random_params(rng, s);
+  for (std::vector<double>* v : {&p.dw1, &p.qkw, &p.dd}) *v = rounded<S>(*v);
+  ref::ProjectionOutputs dout = random_douts(rng, s);
+  for (int c = 0; c < 4; ++c)
+    for (std::vector<double>* v : {&dout.w1[c], &dout.w2[c], &dout.dd[c]}) *v = rounded<S>(*v);
+  ProjectionConfig cfg;
+  cfg.gelu = pc.tanh_gelu ? Gelu::tanh : Gelu::erf;
+  cfg.num_threads = 2;
+
+  Problem<float> f(pc.d, Layout::contiguous, pc.out);
+  f.set(x, p, dout);
+  f.forward(cfg);
+  f.backward(cfg);
+  std::vector<std::vector<double>> want = f.results();
+  for (std::vector<double>& v : want) v = rounded<S>(v);
+
+  Problem<S> h(pc.d, pc.in, pc.out);
+  h.set(x, p, dout);
+  h.forward(cfg);
+  h.backward(cfg);
+  EXPECT_TRUE(h.results() == want) << "recomputed activations";
+  EXPECT_TRUE(h.outputs_outside_untouched());
+
+  Problem<S> kept(pc.d, pc.in, pc.out);
+  kept.set(x, p, dout);
+  dcmha::ProjectionActivations<S> act;
+  kept.forward(cfg, act);
+  EXPECT_EQ(act.bytes() % sizeof(float), 0u);
+  kept.backward(cfg, act);
+  EXPECT_TRUE(kept.results() == want) << "kept activations";
+}
+
+TEST_P(ProductionVsReference, Bf16IsTheRoundedFloatResult) {
+  narrow_is_rounded_float<dcmha::bf16>(GetParam());
+}
+TEST_P(ProductionVsReference, Fp16IsTheRoundedFloatResult) {
+  narrow_is_rounded_float<dcmha::half>(GetParam());
 }
 
 // ---------------------------------------------------------------------------------------------

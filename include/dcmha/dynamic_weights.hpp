@@ -171,7 +171,8 @@ class ProjectionActivations {
 
  private:
   friend struct detail::projection::ActivationsAccess;
-  std::unique_ptr<detail::projection::Recomputed<T>> r_;  // null: empty
+  // In the arithmetic type: bf16 / fp16 storage keeps float activations.
+  std::unique_ptr<detail::projection::Recomputed<acc_t<T>>> r_;  // null: empty
 };
 
 }  // namespace dcmha

@@ -110,6 +110,8 @@ void decode_impl(const AttentionConfig& cfg, TensorView<const T, 4> q_new,
 
 DCMHA_DEFINE_DECODE_ENTRY_POINTS(float)
 DCMHA_DEFINE_DECODE_ENTRY_POINTS(double)
+DCMHA_DEFINE_DECODE_ENTRY_POINTS(bf16)
+DCMHA_DEFINE_DECODE_ENTRY_POINTS(half)
 #undef DCMHA_DEFINE_DECODE_ENTRY_POINTS
 
 }  // namespace dcmha

@@ -17,6 +17,10 @@
 // (window W > 0) keep a ring of W + max_step - 1 slots: enough that the first of max_step new
 // tokens still sees its W - 1 predecessors, so the ring is never full. Token i of sequence b lives
 // in slot i % cap in both cases.
+//
+// T: float, double, or bf16 / fp16 storage: the cache then holds K, V and the key-wise state in
+// that type (half the bytes a decode step reads), and decode computes as the forward does on
+// narrow storage (float arithmetic on the widened values, each output rounded once).
 #include <algorithm>
 #include <initializer_list>
 #include <limits>

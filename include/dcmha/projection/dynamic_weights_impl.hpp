@@ -9,7 +9,10 @@
 // (B, L, G, R, M); dd outputs (B, L, G, M). Any strides. Outputs are overwritten. Without a
 // ProjectionActivations the backward recomputes the hidden activations from x, so nothing is
 // kept between the two calls; with one, the forward keeps them and the backward reads them.
+// Scalar types: float, double, and bf16 / fp16 storage (narrow.hpp: the float kernels on the
+// widened values, each result rounded once; kept activations in float).
 #include "kernels.hpp"
+#include "narrow.hpp"
 #include "validate.hpp"
 
 namespace dcmha {
@@ -22,8 +25,11 @@ void dynamic_weights_forward_impl(const ProjectionConfig& cfg, TensorView<const 
   const char* fn = "dcmha::dynamic_weights_forward";
   with_allocation_errors(fn, [&] {
     const projection::ProjectionDims d = projection::validate_forward(fn, cfg, x, p, out);
-    projection::forward(cfg, d, x, p, out,
-                        keep ? &projection::ActivationsAccess::get(*keep) : nullptr);
+    auto* r = keep ? &projection::ActivationsAccess::get(*keep) : nullptr;
+    if constexpr (std::is_same_v<T, acc_t<T>>)
+      projection::forward(cfg, d, x, p, out, r);
+    else
+      projection::forward_narrow(cfg, d, x, p, out, r);
   });
 }
 
@@ -37,10 +43,12 @@ void dynamic_weights_backward_impl(const ProjectionConfig& cfg, TensorView<const
   with_allocation_errors(fn, [&] {
     const projection::ProjectionDims d =
         projection::validate_backward(fn, cfg, x, p, dout, dx, grads);
-    const projection::Recomputed<T>* r =
-        kept ? projection::ActivationsAccess::find(*kept) : nullptr;
+    const auto* r = kept ? projection::ActivationsAccess::find(*kept) : nullptr;
     if (kept) projection::check_activations(fn, r, d);
-    projection::backward(cfg, d, x, p, dout, dx, grads, r);
+    if constexpr (std::is_same_v<T, acc_t<T>>)
+      projection::backward(cfg, d, x, p, dout, dx, grads, r);
+    else
+      projection::backward_narrow(cfg, d, x, p, dout, dx, grads, r);
   });
 }
 
@@ -115,6 +123,8 @@ void ProjectionActivations<T>::release() {
 
 DCMHA_DEFINE_PROJECTION_ENTRY_POINTS(float)
 DCMHA_DEFINE_PROJECTION_ENTRY_POINTS(double)
+DCMHA_DEFINE_PROJECTION_ENTRY_POINTS(bf16)
+DCMHA_DEFINE_PROJECTION_ENTRY_POINTS(half)
 #undef DCMHA_DEFINE_PROJECTION_ENTRY_POINTS
 
 }  // namespace dcmha

@@ -145,13 +145,13 @@ struct Recomputed {
 struct ActivationsAccess {
   /// Storage is made on the first forward that keeps activations (and after release or a move).
   template <class T>
-  static Recomputed<T>& get(ProjectionActivations<T>& a) {
-    if (!a.r_) a.r_ = std::make_unique<Recomputed<T>>();
+  static Recomputed<acc_t<T>>& get(ProjectionActivations<T>& a) {
+    if (!a.r_) a.r_ = std::make_unique<Recomputed<acc_t<T>>>();
     return *a.r_;
   }
   /// Null for activations no forward has kept since they were made, released or moved from.
   template <class T>
-  static const Recomputed<T>* find(const ProjectionActivations<T>& a) {
+  static const Recomputed<acc_t<T>>* find(const ProjectionActivations<T>& a) {
     return a.r_.get();
   }
 };
