@@ -1,7 +1,7 @@
 // The decode cache as a TorchScript custom class (torch.classes.dcmha.DecodeCache): a layer's
 // keys, values and key-wise compose terms held by the operator side, appended to step by step
 // (prefill: many tokens; decode: one), each step's queries run against everything kept.
-// float32 and float64 (half-precision caches are not built yet).
+// float32, float64, and bfloat16 / float16 caches (K, V and key-wise terms in that type).
 //
 //   cache = torch.classes.dcmha.DecodeCache(B, H, Hk, D, Dv, G, Rk, pre_key_wise,
 //                                           post_key_wise, capacity, window, max_step, dtype)
@@ -17,8 +17,11 @@
 
 #include <dcmha/decode/decode.hpp>
 
+#include <algorithm>
+#include <iterator>
 #include <memory>
 #include <string>
+#include <utility>
 #include <variant>
 
 #include "call_impl.hpp"
@@ -41,17 +44,31 @@ class DecodeCacheHolder : public torch::CustomClassHolder {
     c.B = B, c.H = H, c.Hk = Hk, c.D = D, c.Dv = Dv, c.G = G, c.Rk = Rk;
     c.pre_key_wise = pre_key_wise, c.post_key_wise = post_key_wise;
     c.capacity = capacity, c.window = window, c.max_step = max_step;
-    TORCH_CHECK(dtype == "float32" || dtype == "float64", fn,
-                ": dtype: expected \"float32\" or \"float64\" (half-precision caches are not "
-                "built yet), got \"",
+    const std::pair<const char*, at::ScalarType> dtypes[] = {{"float32", at::kFloat},
+                                                             {"float64", at::kDouble},
+                                                             {"bfloat16", at::kBFloat16},
+                                                             {"float16", at::kHalf}};
+    const auto* it = std::find_if(std::begin(dtypes), std::end(dtypes),
+                                  [&](const auto& d) { return dtype == d.first; });
+    TORCH_CHECK(it != std::end(dtypes), fn,
+                ": dtype: expected \"float32\", \"float64\", \"bfloat16\" or \"float16\", got \"",
                 dtype, "\"");
+    dtype_ = it->second;
     translating_errors([&] {
-      if (dtype == "float32")
-        cache_ = std::make_unique<dcmha::DecodeCache<float>>(c);
-      else
-        cache_ = std::make_unique<dcmha::DecodeCache<double>>(c);
+      switch (dtype_) {
+        case at::kFloat:
+          cache_ = std::make_unique<dcmha::DecodeCache<float>>(c);
+          break;
+        case at::kDouble:
+          cache_ = std::make_unique<dcmha::DecodeCache<double>>(c);
+          break;
+        case at::kBFloat16:
+          cache_ = std::make_unique<dcmha::DecodeCache<dcmha::bf16>>(c);
+          break;
+        default:
+          cache_ = std::make_unique<dcmha::DecodeCache<dcmha::half>>(c);
+      }
     });
-    dtype_ = dtype == "float32" ? at::kFloat : at::kDouble;
   }
 
   void append(const at::Tensor& k_new, const at::Tensor& v_new, const OptionalTensorList& key_side,
@@ -138,7 +155,9 @@ class DecodeCacheHolder : public torch::CustomClassHolder {
   }
 
   std::variant<std::unique_ptr<dcmha::DecodeCache<float>>,
-               std::unique_ptr<dcmha::DecodeCache<double>>>
+               std::unique_ptr<dcmha::DecodeCache<double>>,
+               std::unique_ptr<dcmha::DecodeCache<dcmha::bf16>>,
+               std::unique_ptr<dcmha::DecodeCache<dcmha::half>>>
       cache_;
   at::ScalarType dtype_ = at::kFloat;
 };

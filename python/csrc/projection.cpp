@@ -43,8 +43,9 @@ void check_inputs(const char* fn, const at::Tensor* inputs[4]) {
   const int ranks[] = {3, 4, 5, 3};
   const char* shapes[] = {"(B, L, E)", "(E, G, 4, K)", "(G, 4, K, 2R, M)", "(E, G, 4M)"};
   const at::ScalarType dtype = inputs[0]->scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble, fn, ": x has dtype ", dtype,
-              ", expected float32 or float64 (half-precision projection is not built yet)");
+  TORCH_CHECK(
+      dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
+      fn, ": x has dtype ", dtype, ", expected float32, float64, bfloat16 or float16");
   for (int i = 0; i < 4; ++i) {
     const at::Tensor& t = *inputs[i];
     TORCH_CHECK(t.device().is_cpu(), fn, ": ", kParameterNames[i], " is on ", t.device(),
@@ -90,10 +91,16 @@ dcmha::DynamicWeightProjection<T> parameters_of(const at::Tensor& dw1, const at:
 
 template <class F>
 void typed(at::ScalarType dtype, F&& f) {
-  if (dtype == at::kDouble)
-    f(double{});
-  else
-    f(float{});
+  switch (dtype) {
+    case at::kDouble:
+      return f(double{});
+    case at::kBFloat16:
+      return f(dcmha::bf16{});
+    case at::kHalf:
+      return f(dcmha::half{});
+    default:
+      return f(float{});
+  }
 }
 
 std::vector<at::Tensor> dynamic_weights_forward(const at::Tensor& x, const at::Tensor& dw1,

@@ -72,7 +72,7 @@ def attention_forward(q, k, v, compose=None, *, causal=True, window=None, scale=
 
 
 def dynamic_weights(x, dw1, qkw, dd, *, gelu="erf", eps=1e-6):
-    """The dynamic weight projection (float32, float64): x (B, L, E) and the official parameters
+    """The dynamic weight projection (float32, float64, bfloat16, float16): x (B, L, E) and the official parameters
     `dyn_w_proj.dw1` (E, G, 4, K), `.qkw` (G, 4, K, 2R, M), `.dd` (E, G, 4M) -> compose weights
     (pre, post), each (None, qw1, qw2, kw1, kw2, qdd, kdd) with w1/w2 (B, L, G, R, M) and dd
     (B, L, G, M): the `compose` argument of attention for self-attention (replace the None by a
@@ -97,7 +97,8 @@ def _side_entries(compose, keep):
 
 class DecodeCache:
     """A layer's decode cache held by the operator side (torch.classes.dcmha.DecodeCache):
-    keys, values and the key-wise compose terms of every token appended, in float32 or float64.
+    keys, values and the key-wise compose terms of every token appended, in float32, float64,
+    bfloat16 or float16.
 
         cache = DecodeCache(batch=B, heads=H, head_dim=D, rank=2, pre_key_wise=True,
                             post_key_wise=True, capacity=4096, max_step=prompt_length)
@@ -113,10 +114,11 @@ class DecodeCache:
     def __init__(self, batch, heads, head_dim, *, kv_heads=None, value_dim=None, groups=1,
                  rank=0, pre_key_wise=False, post_key_wise=False, capacity=0, window=None,
                  max_step=1, dtype=torch.float32):
-        names = {torch.float32: "float32", torch.float64: "float64"}
+        names = {torch.float32: "float32", torch.float64: "float64", torch.bfloat16: "bfloat16",
+                 torch.float16: "float16"}
         if dtype not in names:
-            raise ValueError(f"dcmha_torch.DecodeCache: dtype: expected torch.float32 or "
-                             f"torch.float64, got {dtype}")
+            raise ValueError(f"dcmha_torch.DecodeCache: dtype: expected torch.float32, "
+                             f"torch.float64, torch.bfloat16 or torch.float16, got {dtype}")
         self.dtype = dtype
         self._cache = torch.classes.dcmha.DecodeCache(
             batch, heads, heads if kv_heads is None else kv_heads, head_dim,

@@ -246,25 +246,21 @@ class Views(unittest.TestCase):
             dcmha_torch.attention(every_other, k, v, compose)
 
     def test_views_reach_the_kernels_without_a_copy(self):
-        # The profiler records every operator the dcmha ops call and what each allocates: the
-        # forward creates its out and lse and nothing else, the backward its three gradients, so
-        # no input view (the fused-QKV permutes here, whose q.contiguous() would be a clone of
-        # 128 KiB) was copied on the way to the kernels.
+        # The profiler records every operator the dcmha ops call: the forward creates its out and
+        # lse and nothing else, the backward its three gradients, so no input view (the
+        # fused-QKV permutes here, whose q.contiguous() would be a clone, or an empty and a copy_)
+        # was copied on the way to the kernels.
         from torch.profiler import ProfilerActivity, profile
         B, T, H, D = 1, 256, 4, 32
         qkv = torch.randn(B, T, 3 * H * D, requires_grad=True)
         q, k, v = qkv.view(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
             out = dcmha_torch.attention(q, k, v)
-            grads = torch.autograd.grad(out, (q, k, v), torch.randn(B, H, T, D))
+            torch.autograd.grad(out, (q, k, v), torch.randn(B, H, T, D))
         calls = {e.name: e.cpu_children for e in prof.events() if e.name.startswith("dcmha::")}
-        lse_bytes = B * H * T * 4  # float; an allocation that small may come from a cache
-        for op, results, extra in (("forward", (out,), lse_bytes), ("backward", grads, 0)):
-            children = calls[f"dcmha::attention_{op}"]
-            self.assertEqual({c.name for c in children}, {"aten::empty"}, op)
-            allocated = [c.cpu_memory_usage for c in children if c.cpu_memory_usage > 0]
-            self.assertLessEqual(sum(allocated), sum(r.numel() * 4 for r in results) + extra, op)
-            self.assertEqual(allocated.count(q.numel() * 4), len(results), op)
+        for op, results in (("forward", 2), ("backward", 3)):
+            children = [c.name for c in calls[f"dcmha::attention_{op}"]]
+            self.assertEqual(children, ["aten::empty"] * results, op)
 
     def test_expanded_compose_entries(self):
         q, k, v, compose = problem(B=2, pre=("qw",), post=None)

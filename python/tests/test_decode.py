@@ -16,8 +16,14 @@ def slice_compose(compose, start, stop):
 
 
 class Decode(unittest.TestCase):
-    def run_steps(self, steps, window=None, dtype=torch.float64, **spec):
-        q, k, v, compose = problem(dtype=dtype, **spec)
+    def run_steps(self, steps, window=None, dtype=torch.float64, cast_from=None, **spec):
+        """cast_from: the problem made in that dtype, then converted to dtype."""
+        q, k, v, compose = problem(dtype=cast_from or dtype, **spec)
+        if cast_from is not None:
+            q, k, v = (x.to(dtype) for x in (q, k, v))
+            compose = tuple(None if side is None else
+                            tuple(None if e is None else e.to(dtype) for e in side)
+                            for side in compose)
         B, H, T, D = q.shape
         key_wise = [side is not None and side[3] is not None for side in (compose or (None, None))]
         kw1 = compose[0][3] if key_wise[0] else None
@@ -56,6 +62,18 @@ class Decode(unittest.TestCase):
         out, full, _ = self.run_steps([(0, 4), (4, 5), (5, 6)], T=6, dtype=torch.float32)
         self.assertLess(max_relative(out, full), 1e-5)
 
+    def test_half_precision_caches_are_the_rounded_float_decode(self):
+        # bf16 / fp16 caches: the float kernels on the stored values, each output rounded once.
+        steps = [(0, 4), (4, 5), (5, 6), (6, 9)]
+        spec = dict(pre=("sw", "qw", "kw"), post=("qw", "kw"), T=9)
+        for dtype in (torch.bfloat16, torch.float16):
+            with self.subTest(dtype=dtype):
+                out, _, cache = self.run_steps(steps, dtype=dtype, **spec)
+                out32, _, _ = self.run_steps(steps, dtype=torch.float32, cast_from=dtype, **spec)
+                self.assertEqual(out.dtype, dtype)
+                self.assertTrue(torch.equal(out, out32.to(dtype)))
+                self.assertEqual(cache.length(0), 9)
+
     def test_padded_step_counts(self):
         q, k, v, _ = problem(B=2, T=4, pre=(), post=())
         cache = dcmha_torch.DecodeCache(batch=2, heads=4, head_dim=8, capacity=8, max_step=4,
@@ -78,9 +96,10 @@ class Decode(unittest.TestCase):
         self.assertEqual(cache.length(0), 2)  # a refused append changes nothing
         with self.assertRaisesRegex(RuntimeError, "sequence 1: expected 0 <= b < 1"):
             cache.length(1)
-        with self.assertRaisesRegex(ValueError, "dtype: expected torch.float32 or torch.float64"):
+        with self.assertRaisesRegex(ValueError, "dtype: expected torch.float32, torch.float64, "
+                                                "torch.bfloat16 or torch.float16"):
             dcmha_torch.DecodeCache(batch=1, heads=2, head_dim=4, capacity=2,
-                                    dtype=torch.bfloat16)
+                                    dtype=torch.int32)
         with self.assertRaisesRegex(RuntimeError, "max_step"):
             dcmha_torch.DecodeCache(batch=1, heads=2, head_dim=4, capacity=2, max_step=0)
 

@@ -66,6 +66,24 @@ class Projection(unittest.TestCase):
             dcmha_torch.dynamic_weights(*xs)[1][6].square().sum()
         self.assertTrue(torch.autograd.gradcheck(fn, inputs))
 
+    def test_half_precision_is_the_rounded_float_result(self):
+        # bf16 / fp16: the float kernels on the stored values, each output and gradient rounded
+        # once (activations kept in float between forward and backward).
+        for dtype in (torch.bfloat16, torch.float16):
+            with self.subTest(dtype=dtype):
+                narrow = [t.detach().to(dtype).requires_grad_() for t in parameters(seed=4)]
+                wide = [t.detach().float().requires_grad_() for t in narrow]
+                outs = [e for side in dcmha_torch.dynamic_weights(*narrow) for e in side[1:]]
+                outs32 = [e for side in dcmha_torch.dynamic_weights(*wide) for e in side[1:]]
+                for a, b in zip(outs, outs32):
+                    self.assertEqual(a.dtype, dtype)
+                    self.assertTrue(torch.equal(a, b.to(dtype)))
+                upstream = [torch.randn(o.shape).to(dtype) for o in outs]
+                grads = torch.autograd.grad(outs, narrow, upstream)
+                grads32 = torch.autograd.grad(outs32, wide, [u.float() for u in upstream])
+                for a, b, name in zip(grads, grads32, ("x", "dw1", "qkw", "dd")):
+                    self.assertTrue(torch.equal(a, b.to(dtype)), name)
+
     def test_feeds_attention(self):
         inputs = parameters(B=2, L=6, E=8, G=1, K=2, R=2, M=4)
         pre, post = dcmha_torch.dynamic_weights(*inputs)
@@ -97,8 +115,8 @@ class Projection(unittest.TestCase):
             dcmha_torch.dynamic_weights(x, dw1, qkw, dd, gelu="relu")
         with self.assertRaisesRegex(RuntimeError, r"qkw: expected 5 dims \(G, 4, K, 2R, M\)"):
             dcmha_torch.dynamic_weights(x, dw1, qkw[0], dd)
-        with self.assertRaisesRegex(RuntimeError, "expected float32 or float64"):
-            dcmha_torch.dynamic_weights(*(t.detach().bfloat16() for t in (x, dw1, qkw, dd)))
+        with self.assertRaisesRegex(RuntimeError, "expected float32, float64, bfloat16 or float16"):
+            dcmha_torch.dynamic_weights(*(t.detach().int() for t in (x, dw1, qkw, dd)))
         with self.assertRaisesRegex(RuntimeError, "dcmha::dynamic_weights_forward"):
             dcmha_torch.dynamic_weights(x[..., :5], dw1, qkw, dd)
 
