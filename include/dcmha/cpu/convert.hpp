@@ -25,17 +25,17 @@ namespace dcmha::cpu {
 /// Whether the vector path for storage type S <-> float is compiled in (the scalar loops, which
 /// round as Eigen does, are the fallback): AVX for float, AVX2 for bf16, AVX2 with F16C for fp16.
 template <class S>
-constexpr bool kVectorStorage = false;
+inline constexpr bool kVectorStorage = false;
 #if defined(__AVX__)
 template <>
-constexpr bool kVectorStorage<float> = true;
+inline constexpr bool kVectorStorage<float> = true;
 inline __m256 load8_widened(const float* p) { return _mm256_loadu_ps(p); }
 inline void store8_narrowed(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
 #endif
 
 #if defined(__AVX2__)
 template <>
-constexpr bool kVectorStorage<bf16> = true;
+inline constexpr bool kVectorStorage<bf16> = true;
 
 /// Eight bf16 values widened to float: a bf16 is the upper half of the float's bits.
 inline __m256 load8_widened(const bf16* p) {
@@ -62,7 +62,7 @@ inline void store8_narrowed(bf16* p, __m256 x) {
 
 #if defined(__AVX2__) && defined(__F16C__)
 template <>
-constexpr bool kVectorStorage<half> = true;
+inline constexpr bool kVectorStorage<half> = true;
 
 /// Eight fp16 values widened to float (exact).
 inline __m256 load8_widened(const half* p) {
