@@ -32,14 +32,14 @@ import reference  # noqa: E402
 H, D, R = 32, 128, 2
 
 
-def inputs(T, dcmha, grad):
+def inputs(T, dcmha, grad, dtype=torch.float32):
     g = torch.Generator().manual_seed(T)
-    q, k, v = (torch.randn(1, H, T, D, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(1, H, T, D, generator=g).to(dtype) for _ in range(3))
     compose = None
     if dcmha:
         def side():
-            w = lambda: 0.1 * torch.randn(1, T, R, H, generator=g)
-            d = lambda: 0.1 * torch.randn(1, T, H, generator=g)
+            w = lambda: (0.1 * torch.randn(1, T, R, H, generator=g)).to(dtype)
+            d = lambda: (0.1 * torch.randn(1, T, H, generator=g)).to(dtype)
             return (None, w(), w(), w(), w(), d(), d())
         compose = (side(), side())
     leaves = [q, k, v] + [e for s in (compose or ()) for e in s if e is not None]
