@@ -3,6 +3,7 @@
 // the library's errors as torch's.
 #include <ATen/ATen.h>
 
+#include <dcmha/config.hpp>
 #include <dcmha/error.hpp>
 
 #include <new>
@@ -24,6 +25,25 @@ inline ComposeEntries entries_of(const char* fn, const char* name, const Optiona
     if (t.has_value()) e[i] = *t;
   }
   return e;
+}
+
+/// f(T{}) for the storage type T of dtype (float32, float64, bfloat16, float16); any other dtype
+/// is an error naming `name`, the tensor whose dtype the call takes.
+template <class F>
+decltype(auto) typed(const char* fn, const char* name, at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat:
+      return f(float{});
+    case at::kDouble:
+      return f(double{});
+    case at::kBFloat16:
+      return f(dcmha::bf16{});
+    case at::kHalf:
+      return f(dcmha::half{});
+    default:
+      TORCH_CHECK(false, fn, ": ", name, " has dtype ", dtype,
+                  ", expected float32, float64, bfloat16 or float16");
+  }
 }
 
 /// Per-sequence lengths (or counts): undefined, or a 1-d int64 CPU tensor.

@@ -68,23 +68,6 @@ void check_tensor(const char* fn, const std::string& name, const at::Tensor& t,
               ", expected ", dtype, " (q's)");
 }
 
-template <class F>
-decltype(auto) typed(const char* fn, at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case at::kFloat:
-      return f(float{});
-    case at::kDouble:
-      return f(double{});
-    case at::kBFloat16:
-      return f(dcmha::bf16{});
-    case at::kHalf:
-      return f(dcmha::half{});
-    default:
-      TORCH_CHECK(false, fn, ": q has dtype ", dtype,
-                  ", expected float32, float64, bfloat16 or float16");
-  }
-}
-
 }  // namespace
 
 const char* entry_name(int entry) { return kEntryNames[entry % kSideEntries]; }
@@ -129,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
   const ForwardArgs args{q, k, v, entries, s};
   check_arguments(fn, args);
   const ForwardResult r =
-      typed(fn, q.scalar_type(), [&](auto type) { return forward_cpu<decltype(type)>(args); });
+      typed(fn, "q", q.scalar_type(), [&](auto type) { return forward_cpu<decltype(type)>(args); });
   return {r.out, r.lse};
 }
 
@@ -154,8 +137,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attentio
   // stride along the head dim only.
   const at::Tensor d = dout.stride(3) == 1 || dout.size(3) == 1 ? dout : dout.contiguous();
   const BackwardArgs args{inputs, lse, d};
-  const BackwardResult r =
-      typed(fn, q.scalar_type(), [&](auto type) { return backward_cpu<decltype(type)>(args); });
+  const BackwardResult r = typed(fn, "q", q.scalar_type(),
+                                 [&](auto type) { return backward_cpu<decltype(type)>(args); });
   return {r.dq, r.dk, r.dv, given(r.dcompose)};
 }
 

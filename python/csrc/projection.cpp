@@ -43,9 +43,6 @@ void check_inputs(const char* fn, const at::Tensor* inputs[4]) {
   const int ranks[] = {3, 4, 5, 3};
   const char* shapes[] = {"(B, L, E)", "(E, G, 4, K)", "(G, 4, K, 2R, M)", "(E, G, 4M)"};
   const at::ScalarType dtype = inputs[0]->scalar_type();
-  TORCH_CHECK(
-      dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 || dtype == at::kHalf,
-      fn, ": x has dtype ", dtype, ", expected float32, float64, bfloat16 or float16");
   for (int i = 0; i < 4; ++i) {
     const at::Tensor& t = *inputs[i];
     TORCH_CHECK(t.device().is_cpu(), fn, ": ", kParameterNames[i], " is on ", t.device(),
@@ -89,20 +86,6 @@ dcmha::DynamicWeightProjection<T> parameters_of(const at::Tensor& dw1, const at:
   return {view_of<const T, 4>(dw1), view_of<const T, 5>(qkw), view_of<const T, 3>(dd)};
 }
 
-template <class F>
-void typed(at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case at::kDouble:
-      return f(double{});
-    case at::kBFloat16:
-      return f(dcmha::bf16{});
-    case at::kHalf:
-      return f(dcmha::half{});
-    default:
-      return f(float{});
-  }
-}
-
 std::vector<at::Tensor> dynamic_weights_forward(const at::Tensor& x, const at::Tensor& dw1,
                                                 const at::Tensor& qkw, const at::Tensor& dd,
                                                 const std::string& gelu, double eps) {
@@ -111,7 +94,7 @@ std::vector<at::Tensor> dynamic_weights_forward(const at::Tensor& x, const at::T
   check_inputs(fn, inputs);
   const dcmha::ProjectionConfig cfg = projection_config(fn, gelu, eps);
   std::vector<at::Tensor> out = empty_outputs(x, qkw);
-  typed(x.scalar_type(), [&](auto type) {
+  typed(fn, "x", x.scalar_type(), [&](auto type) {
     using T = decltype(type);
     translating_errors([&] {
       dcmha::dynamic_weights_forward(cfg, view_of<const T, 3>(x), parameters_of<T>(dw1, qkw, dd),
@@ -140,7 +123,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dynamic_weights_backw
   }
   at::Tensor dx = at::empty(x.sizes(), x.options()), ddw1 = at::empty(dw1.sizes(), x.options()),
              dqkw = at::empty(qkw.sizes(), x.options()), ddd = at::empty(dd.sizes(), x.options());
-  typed(x.scalar_type(), [&](auto type) {
+  typed(fn, "x", x.scalar_type(), [&](auto type) {
     using T = decltype(type);
     const dcmha::DynamicWeightProjectionGrads<T> grads{view_of<T, 4>(ddw1), view_of<T, 5>(dqkw),
                                                        view_of<T, 3>(ddd)};
