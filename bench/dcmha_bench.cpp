@@ -3,10 +3,11 @@
 // Names: <dir>/<op>/B<b>/H<h>/T<t>/D<d>/<mask>, dir in {fwd, bwd, fwdbwd}, op in {mha, dcmha},
 // mask in {causal, full, window<w>} (window<w>: causal with a sliding window of w keys, the local
 // layers of DCFormer). Storage is float; <dir>/<op>/bf16/B<b>/... are the same cases with bf16
-// tensors (float arithmetic), for a few shapes; <dir>/<op>/nested/B<b>/... make one call per
-// sequence from each thread of an enclosing OpenMP team of b threads. Decoding:
-// decode/<op>/B<b>/H<h>/S<s>/D<d>, one new token per sequence against a DecodeCache holding s
-// tokens (the new one included). Google Benchmark appends
+// tensors (float arithmetic), for a few shapes, and .../bf16/storage_type/... the same with
+// Products::storage_type (bf16 dot products where the CPU has AVX512_BF16);
+// <dir>/<op>/nested/B<b>/... make one call per sequence from each thread of an enclosing OpenMP
+// team of b threads. Decoding: decode/<op>/B<b>/H<h>/S<s>/D<d>, one new token per sequence against
+// a DecodeCache holding s tokens (the new one included). Google Benchmark appends
 // "/real_time" (and "_median" etc. for aggregates) in its reports, so a --benchmark_filter should
 // not anchor the mask with '$'.
 //
@@ -64,6 +65,8 @@ struct Case {
   bool memory_counters;
   index_t window = 0;  // > 0: causal with a sliding window
   bool bf16 = false;   // bf16 storage instead of float
+  // bf16 only: Products::storage_type (bf16 dot products where the CPU has them) instead of exact
+  bool storage_products = false;
   // One call per sequence, each made by a thread of an enclosing OpenMP team of B threads (a
   // caller that is already parallel): what a nested call costs next to one call over the batch.
   bool nested = false;
@@ -75,8 +78,9 @@ const char* name_of(dcmha::Mask m) { return m == dcmha::Mask::causal ? "causal" 
 
 std::string name_of(const Case& c) {
   return std::string(name_of(c.dir)) + "/" + name_of(c.op) + (c.bf16 ? "/bf16" : "") +
-         (c.nested ? "/nested" : "") + "/B" + std::to_string(c.B) + "/H" + std::to_string(c.H) +
-         "/T" + std::to_string(c.T) + "/D" + std::to_string(c.D) + "/" +
+         (c.storage_products ? "/storage_type" : "") + (c.nested ? "/nested" : "") + "/B" +
+         std::to_string(c.B) + "/H" + std::to_string(c.H) + "/T" + std::to_string(c.T) + "/D" +
+         std::to_string(c.D) + "/" +
          (c.window > 0 ? "window" + std::to_string(c.window) : std::string(name_of(c.mask)));
 }
 
@@ -302,6 +306,7 @@ void run_case_as(benchmark::State& state, const Case& c) {
   dcmha::AttentionConfig cfg;
   cfg.mask = c.mask;
   cfg.window = c.window;
+  cfg.products = c.storage_products ? dcmha::Products::storage_type : dcmha::Products::exact;
   Problem<T>& p = problem_for<T>(c);
   if (c.dir != Dir::fwd) p.ensure_grads();
 
@@ -624,12 +629,24 @@ void register_all(bool smoke, bool memory_everywhere) {
     for (index_t T : s.Ts)
       for (Dir dir : {Dir::fwd, Dir::bwd}) register_projection_case({dir, 1, s.H, T, s.D});
 
-  // bf16 storage at DCFormer-6.9B's heads.
+  // bf16 storage at DCFormer-6.9B's heads, with exact and with storage-type products.
   for (index_t T : smoke ? std::vector<index_t>{32, 64} : std::vector<index_t>{1024, 2048})
     for (Op op : {Op::mha, Op::dcmha})
       for (Dir dir : {Dir::fwd, Dir::bwd, Dir::fwdbwd})
-        register_case({dir, op, 1, smoke ? 4 : 32, T, smoke ? 16 : 128, dcmha::Mask::causal,
-                       memory_everywhere, 0, true});
+        for (bool storage : {false, true}) {
+          Case c{dir,
+                 op,
+                 1,
+                 smoke ? 4 : 32,
+                 T,
+                 smoke ? 16 : 128,
+                 dcmha::Mask::causal,
+                 memory_everywhere,
+                 0,
+                 true};
+          c.storage_products = storage;
+          register_case(c);
+        }
 
   // Long context: what matters is that memory stays O(B·H·T), with no T×S buffer anywhere.
   if (!smoke)

@@ -26,6 +26,14 @@
 
 namespace dcmha {
 
+/// Whether cfg.products = Products::storage_type changes the arithmetic for storage type T on
+/// this machine: bf16 where the CPU has AVX512_BF16 (asked at run time); false for every other
+/// type and CPU, where the setting computes as Products::exact.
+template <class T>
+bool storage_type_products_available() {
+  return cpu::uses_bf16_products<T>(Products::storage_type);
+}
+
 namespace detail {
 template <class T>
 void forward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,

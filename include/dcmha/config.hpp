@@ -12,6 +12,21 @@ enum class Mask {
   causal,  ///< query t sees key s iff s <= t + (S - T) (bottom-right aligned, spec section 1)
 };
 
+/// The arithmetic of the tile products (Q K^T, P'V and, in backward, dO V^T, dS K, dS^T Q,
+/// P'^T dO) for narrow storage types.
+enum class Products {
+  /// On values widened to float: a bf16 or fp16 result is the float kernels' result on the same
+  /// inputs, rounded once (bitwise, on every machine).
+  exact,
+  /// In the storage type with float accumulation, as FlashAttention and PyTorch's CPU flash
+  /// attention compute: P' and dS are rounded to the storage type before the products they feed,
+  /// and the products run on the CPU's bf16 dot-product instructions (AVX512_BF16), chosen at run
+  /// time. Used for bf16 tensors on CPUs that have them (storage_type_products_available()); every
+  /// other case computes as `exact`. Results differ from `exact` by the roundings of P' and dS
+  /// (docs/performance.md has the errors of both against the float64 reference).
+  storage_type,
+};
+
 struct AttentionConfig {
   Mask mask = Mask::causal;
   /// Score scale; a value <= 0 means 1/sqrt(D), the default of the spec.
@@ -30,6 +45,8 @@ struct AttentionConfig {
   /// OpenMP threads for this call; 0 means omp_get_max_threads(). Results are bitwise the same
   /// from call to call for a fixed count; backward's for every count (from the same lse).
   int num_threads = 0;
+  /// The tile products' arithmetic for bf16 and fp16 storage (float and double: always exact).
+  Products products = Products::exact;
 };
 
 /// The type softmax statistics and reductions are accumulated in (float for float and narrower

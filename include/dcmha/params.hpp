@@ -59,6 +59,7 @@ struct QkvParams {
   MaskParams mask;
   acc_t<T> scale = 0;   // the applied score scale (the config's default resolved)
   int num_threads = 0;  // the caller's request; 0 = all
+  Products products = Products::exact;
 };
 
 template <class T>

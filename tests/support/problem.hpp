@@ -236,6 +236,7 @@ class TypedProblem {
 
   /// OpenMP threads passed in config(); 0 = all.
   int num_threads = 0;
+  Products products = Products::exact;
 
   AttentionConfig config() const {
     AttentionConfig c;
@@ -243,6 +244,7 @@ class TypedProblem {
     c.scale = p_.scale;
     c.window = p_.window;
     c.num_threads = num_threads;
+    c.products = products;
     return c;
   }
 

@@ -129,6 +129,11 @@ struct BackwardWorkspace : SlabLayout {
   Buffer<A> pre_rg, post_rg;  // [tile][row][ComposeRowGrads::size]: query-wise gradient sums
   Buffer<A> dw_tile;          // [tile][side][m][n], sides with static W
   A *packed_q = nullptr, *packed_dout = nullptr;  // [m][row][D or Dv]: the block's Q (scaled), dO
+  // bf16 products (bf16_products.hpp), in place of packed_q and packed_dout: the block's Q and dO
+  // rows as pairs along D ([m][row][pair_count(D or Dv)], A of the scores and dP') and as pairs
+  // of rows ([m][pair_count(Bq)][D or Dv], B of dK and dV). Q is not scaled here.
+  bool bf16_products = false;
+  Buffer<std::uint32_t> q_pairs, dout_pairs, q_interleaved, dout_interleaved;
   TileQueue pass1, pass2;
   std::atomic<index_t> heads_taken{0};  // dQ's heads: a ticket counter, never reset
 
@@ -147,7 +152,8 @@ struct BackwardWorkspace : SlabLayout {
   /// `memory`: memory_size() values, written before they are read.
   template <class T>
   void init(const detail::AttentionDims& d, const detail::RowMask& mask,
-            const ComposeWeights<T>& cw, int team_size, index_t items, A* memory) {
+            const ComposeWeights<T>& cw, int team_size, index_t items, A* memory,
+            bool use_bf16_products) {
     const index_t M = d.M;
     layout(d, mask, items);
     pre.init(cw.pre, M, padded_stride<A>(d.S));  // key-wise terms of every key
@@ -167,6 +173,13 @@ struct BackwardWorkspace : SlabLayout {
     dw_tile.assign(pre.has_w || post.has_w ? tiles * 2 * M * M : 0, A(0));
     pass1.resize(team_size);
     pass2.resize(team_size);
+    bf16_products = use_bf16_products;
+    if (bf16_products) {
+      q_pairs.assign(M * Bq * pair_count(d.D), 0);
+      dout_pairs.assign(M * Bq * pair_count(d.Dv), 0);
+      q_interleaved.assign(M * pair_count(Bq) * d.D, 0);
+      dout_interleaved.assign(M * pair_count(Bq) * d.Dv, 0);
+    }
   }
   A* slab_of(A* panel, index_t t) { return panel + slab_offset(0, t); }
   /// Row i of tile t's sums of one side's query-wise gradients; rows follow each other, tiles
@@ -208,6 +221,8 @@ struct BackwardThreadBuffers {
   // tile products (gemm.hpp).
   A* ptile = nullptr;
   A* kbuf = nullptr;
+  // bf16 products: a tile's P' or dS (transposed or not) as pairs; a key tile of K or V as pairs.
+  Buffer<std::uint32_t> a_pairs, b_pairs;
 
   /// For thread `thread` of a call whose team works with `ws` (initialized).
   BackwardThreadBuffers(const BackwardWorkspace<A>& ws, const detail::AttentionDims& d,
@@ -221,6 +236,11 @@ struct BackwardThreadBuffers {
     for (auto& r : post_rows) r.init(ws.post);
     if (ws.post.on) ptile = detail::WorkspaceAccess::per_thread<A>(mem, thread, 0, ws.slab);
     kbuf = detail::WorkspaceAccess::per_thread<A>(mem, thread, 1, std::max(d.D, d.Dv) * ws.tile);
+    if (ws.bf16_products) {
+      const index_t width = std::max(d.D, d.Dv);
+      a_pairs.assign(std::max(ws.Bq * pair_count(ws.tile), ws.tile * pair_count(ws.Bq)), 0);
+      b_pairs.assign(std::max(pair_count(width) * ws.tile, pair_count(ws.tile) * width), 0);
+    }
   }
 };
 
@@ -274,7 +294,8 @@ class BackwardKernel {
         pre_bwd_(ws.pre),
         post_bwd_(ws.post),
         M_(params.dims.M),
-        group_of_kv_(params.dims.H / params.dims.Hk) {}
+        group_of_kv_(params.dims.H / params.dims.Hk),
+        bf16_products_(ws.bf16_products) {}
 
   /// Batch b, group g. The accumulators of dK and dV are zero on entry for the group's kv heads.
   /// dw_pre / dw_post: the accumulators of the static weights' gradients for (b, g) (M x M, the
@@ -337,10 +358,31 @@ class BackwardKernel {
   /// Head m's live rows of the block at t0 into packed_q (scaled) / packed_dout.
   void pack_head(index_t t0, const LiveRows& r, index_t m) {
     const index_t h = g_ * M_ + m, Bq = ws_.Bq, D = p_.dims.D, Dv = p_.dims.Dv;
+    if constexpr (std::is_same_v<T, bf16>)
+      if (bf16_products_) return pack_head_pairs(t0, r, m);
     pack_rows<A>(r.n, D, row_ptr(p_.q, b_, h, t0 + r.lo), p_.q.stride[2],
                  ws_.packed_q + (m * Bq + r.lo) * D, D, p_.scale);
     pack_rows<A>(r.n, Dv, row_ptr(p_.dout, b_, h, t0 + r.lo), p_.dout.stride[2],
                  ws_.packed_dout + (m * Bq + r.lo) * Dv, Dv);
+  }
+
+  /// pack_head for the bf16 products: head m's Q and dO rows both as pairs and interleaved.
+  void pack_head_pairs(index_t t0, const LiveRows& r, index_t m) {
+    const index_t h = g_ * M_ + m, Bq = ws_.Bq, D = p_.dims.D, Dv = p_.dims.Dv;
+    const T* q = row_ptr(p_.q, b_, h, t0 + r.lo);
+    const T* dout = row_ptr(p_.dout, b_, h, t0 + r.lo);
+    bf16_pairs_of_rows(r.n, D, q, p_.q.stride[2], q_pairs(m, r.lo), pair_count(D));
+    bf16_pairs_of_rows(r.n, Dv, dout, p_.dout.stride[2], dout_pairs(m, r.lo), pair_count(Dv));
+    bf16_pairs_interleaved(r.n, D, q, p_.q.stride[2],
+                           ws_.q_interleaved.data() + m * pair_count(Bq) * D, D);
+    bf16_pairs_interleaved(r.n, Dv, dout, p_.dout.stride[2],
+                           ws_.dout_interleaved.data() + m * pair_count(Bq) * Dv, Dv);
+  }
+  std::uint32_t* q_pairs(index_t m, index_t row) {
+    return ws_.q_pairs.data() + (m * ws_.Bq + row) * pair_count(p_.dims.D);
+  }
+  std::uint32_t* dout_pairs(index_t m, index_t row) {
+    return ws_.dout_pairs.data() + (m * ws_.Bq + row) * pair_count(p_.dims.Dv);
   }
 
   BackwardBlock start_block(index_t t0, index_t index) {
@@ -430,6 +472,18 @@ class BackwardKernel {
     const index_t hk = (g_ * M_ + m) / group_of_kv_, D = p_.dims.D, Dv = p_.dims.Dv;
     const index_t Bq = ws_.Bq, lo = block.lo, row_stride = ws_.row_stride;
     const auto &k = p_.k, &v = p_.v;
+    if constexpr (std::is_same_v<T, bf16>)
+      if (bf16_products_) {
+        bf16_product_abt(block.live_rows, tile.n, D, q_pairs(m, lo), pair_count(D),
+                         {row_ptr(k, b_, hk, tile.begin), k.stride[2]},
+                         {head_row(tile.scores_slab, lo, m), row_stride, p_.scale, false},
+                         buf_.b_pairs.data());
+        bf16_product_abt(block.live_rows, tile.n, Dv, dout_pairs(m, lo), pair_count(Dv),
+                         {row_ptr(v, b_, hk, tile.begin), v.stride[2]},
+                         {head_row(tile.grads_slab, lo, m), row_stride, 1.0f, false},
+                         buf_.b_pairs.data());
+        return;
+      }
     gemm_abt<A>(
         block.live_rows, tile.n, D, ws_.packed_q + (m * Bq + lo) * D, D,
         row_ptr(k, b_, hk, tile.begin), k.stride[2], head_row(tile.scores_slab, lo, m), row_stride,
@@ -481,9 +535,15 @@ class BackwardKernel {
   void value_grads(const BackwardBlock& block, const BackwardTile<A>& tile, const A* probs,
                    index_t m) {
     const index_t Dv = p_.dims.Dv, lo = block.lo;
+    A* dv = row_ptr(grads_.dv, b_, (g_ * M_ + m) / group_of_kv_, tile.begin);
+    if constexpr (std::is_same_v<T, bf16>)
+      if (bf16_products_)
+        return bf16_product_atb(tile.n, Dv, block.live_rows,
+                                {probs + lo * ws_.row_stride + m * ws_.tile, ws_.row_stride},
+                                ws_.dout_interleaved.data() + m * pair_count(ws_.Bq) * Dv, Dv,
+                                {dv, grads_.dv.stride[2], 1.0f, true}, buf_.a_pairs.data());
     gemm_nn<A>(tile.n, Dv, block.live_rows, probs + lo * ws_.row_stride + m * ws_.tile, 1,
-               ws_.row_stride, ws_.packed_dout + (m * ws_.Bq + lo) * Dv, Dv,
-               row_ptr(grads_.dv, b_, (g_ * M_ + m) / group_of_kv_, tile.begin),
+               ws_.row_stride, ws_.packed_dout + (m * ws_.Bq + lo) * Dv, Dv, dv,
                grads_.dv.stride[2], true, {{}, dout_rows(block, m + 1)});
   }
 
@@ -586,6 +646,14 @@ class BackwardKernel {
   /// dK += dL^T Q for head m's kv head over the tile's keys.
   void key_grads(const BackwardBlock& block, const BackwardTile<A>& tile, index_t m) {
     const index_t D = p_.dims.D, lo = block.lo;
+    if constexpr (std::is_same_v<T, bf16>)
+      if (bf16_products_)
+        return bf16_product_atb(tile.n, D, block.live_rows,
+                                {head_row(tile.grads_slab, lo, m), ws_.row_stride},
+                                ws_.q_interleaved.data() + m * pair_count(ws_.Bq) * D, D,
+                                {row_ptr(grads_.dk, b_, (g_ * M_ + m) / group_of_kv_, tile.begin),
+                                 grads_.dk.stride[2], p_.scale, true},
+                                buf_.a_pairs.data());
     gemm_nn<A>(tile.n, D, block.live_rows, head_row(tile.grads_slab, lo, m), 1, ws_.row_stride,
                ws_.packed_q + (m * ws_.Bq + lo) * D, D,
                row_ptr(grads_.dk, b_, (g_ * M_ + m) / group_of_kv_, tile.begin),
@@ -628,6 +696,12 @@ class BackwardKernel {
               next_rows(head_row(ws_.slab_of(ws_.grads_panel, 0), block.lo, m + 1), block.live_rows,
                         row_stride, nn)};
     }
+    if constexpr (std::is_same_v<T, bf16>)
+      if (bf16_products_)
+        return bf16_product_ab(block.live_rows, D, n, {dL, row_stride},
+                               {row_ptr(k, b_, hk, cs), k.stride[2]},
+                               {buf_.dq_rows.data() + block.lo * D, D, p_.scale, tile > 0},
+                               buf_.a_pairs.data(), buf_.b_pairs.data());
     gemm_ab<A, T>(block.live_rows, D, n, {dL, row_stride}, {row_ptr(k, b_, hk, cs), k.stride[2]},
                   {buf_.dq_rows.data() + block.lo * D, D}, tile > 0, buf_.kbuf, p_.scale, next);
   }
@@ -697,6 +771,7 @@ class BackwardKernel {
   const ComposeFn<A> pre_fn_, post_fn_;
   const ComposeBackwardFn<A> pre_bwd_, post_bwd_;
   const index_t M_, group_of_kv_;
+  const bool bf16_products_;
   // The current group and the rank's share of its keys.
   index_t b_ = 0, g_ = 0, s0_ = 0, s1_ = 0;
   index_t heads_base_ = 0;  // heads_taken at the group's start

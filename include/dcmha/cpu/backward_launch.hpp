@@ -110,7 +110,7 @@ void backward_independent_items(BackwardLaunch<T>& launch, Workspace& mem, Regio
     const Team one{0, 1};
     errors.attempt([&] {
       ws.init(p.dims, launch.mask, p.compose, 1, launch.items.count,
-              panels + thread_id() * launch.panel_set);
+              panels + thread_id() * launch.panel_set, launch.bf16_products);
       buffers.emplace(ws, p.dims, mem, thread_id());
     });
     barrier();
@@ -129,7 +129,7 @@ void backward_shared_keys(BackwardLaunch<T>& launch, Workspace& mem, RegionError
   const detail::BackwardParams<T>& p = launch.params;
   BackwardWorkspace<A> ws;
   ws.init(p.dims, launch.mask, p.compose, launch.threads, launch.items.count,
-          detail::WorkspaceAccess::shared<A>(mem, 0, launch.panel_set));
+          detail::WorkspaceAccess::shared<A>(mem, 0, launch.panel_set), launch.bf16_products);
 #pragma omp parallel num_threads(launch.threads)
   {
     const Team team{thread_id(), team_size()};

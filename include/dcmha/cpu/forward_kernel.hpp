@@ -28,6 +28,7 @@
 #include "../detail/dims.hpp"
 #include "../params.hpp"
 #include "../tensor.hpp"
+#include "bf16_products.hpp"
 #include "compose.hpp"
 #include "compose_simd.hpp"
 #include "convert.hpp"
@@ -125,10 +126,14 @@ struct ForwardRows {
   Buffer<A> scale;      // [row][m]: what turns one tile's exponentials into probabilities
   Buffer<A> kt;         // one key tile of K (transposed, scaled) or of V, packed contiguous
   Buffer<A> q;          // narrow storage: a block's Q rows of every head, widened ([m][row][D])
+  // bf16 products (bf16_products.hpp): a block's Q rows of every head as pairs
+  // ([m][row][pair_count(D)]), a tile's P' rows as pairs, one key tile of K^T or V as pairs.
+  Buffer<std::uint32_t> q_pairs, a_pairs, b_pairs;
+  bool bf16_products = false;
 
   /// Sized for the blocks and tiles of `ws` (already initialized).
   ForwardRows(const ComposeSides<A>& sides, const ForwardWorkspace<A>& ws,
-              const detail::AttentionDims& d, bool narrow)
+              const detail::AttentionDims& d, bool narrow, bool bf16_products)
       : pre(ws.Bq), post(ws.Bq) {
     const index_t Bq = ws.Bq, M = d.M;
     for (auto& r : pre) r.init(sides.pre);
@@ -139,7 +144,14 @@ struct ForwardRows {
     tile_max.assign(ws.tiles * M * Bq, A(0));
     scale.assign(Bq * M, A(0));
     kt.assign(std::max(d.D, d.Dv) * ws.tile, scratch_init<A>());
-    if (narrow) q.assign(M * Bq * d.D, scratch_init<A>());
+    this->bf16_products = bf16_products;
+    if (bf16_products) {
+      q_pairs.assign(M * Bq * pair_count(d.D), 0);
+      a_pairs.assign(Bq * pair_count(ws.tile), 0);
+      b_pairs.assign(std::max(pair_count(d.D) * ws.tile, pair_count(ws.tile) * d.Dv), 0);
+    } else if (narrow) {
+      q.assign(M * Bq * d.D, scratch_init<A>());
+    }
   }
 };
 
@@ -178,7 +190,8 @@ class ForwardKernel {
         pre_fn_(sides.pre),
         post_fn_(sides.post),
         M_(params.dims.M),
-        group_of_kv_(params.dims.H / params.dims.Hk) {}
+        group_of_kv_(params.dims.H / params.dims.Hk),
+        bf16_products_(rows.bf16_products) {}
 
   /// Query blocks [first_block, end_block) of batch b, group g (compose inputs loaded in sides).
   void run(index_t b, index_t g, index_t first_block, index_t end_block) {
@@ -220,14 +233,25 @@ class ForwardKernel {
     }
     detail::SoftmaxState<A>* state = my_state();
     for (index_t j = 0; j < M_ * ws_.Bq; ++j) state[j] = {};
-    // The score products read Q in place (float storage) or widened once per block (narrow).
+    // The score products read Q in place (float storage), widened once per block (narrow) or
+    // as bf16 pairs (bf16 products).
     if constexpr (kNarrow)
       if (block.key_end > block.key_begin)
-        for (index_t m = 0; m < M_; ++m)
-          pack_rows<A>(block.live_rows, p_.dims.D, row_ptr(p_.q, b, g * M_ + m, t0 + block.lo),
-                       p_.q.stride[2], rows_.q.data() + (m * ws_.Bq + block.lo) * p_.dims.D,
-                       p_.dims.D);
+        for (index_t m = 0; m < M_; ++m) pack_q(block, m);
     return block;
+  }
+
+  void pack_q(const ForwardBlock& block, index_t m) {
+    const index_t D = p_.dims.D, Bq = ws_.Bq;
+    const T* q = row_ptr(p_.q, block.b, block.g * M_ + m, block.t0 + block.lo);
+    if constexpr (std::is_same_v<T, bf16>)
+      if (bf16_products_) {
+        const index_t words = pair_count(D);
+        return bf16_pairs_of_rows(block.live_rows, D, q, p_.q.stride[2],
+                                  rows_.q_pairs.data() + (m * Bq + block.lo) * words, words);
+      }
+    pack_rows<A>(block.live_rows, D, q, p_.q.stride[2], rows_.q.data() + (m * Bq + block.lo) * D,
+                 D);
   }
 
   ForwardTile<A> first_tile(const ForwardBlock& block) {
@@ -264,6 +288,18 @@ class ForwardKernel {
       ldq = p_.q.stride[2];
     }
     const auto& k = p_.k;
+    if constexpr (std::is_same_v<T, bf16>)
+      if (bf16_products_) {
+        const index_t words = pair_count(D);
+        return p_.keys.runs(block.b, tile.begin, tile.end, [&](index_t s, index_t slot, index_t n) {
+          bf16_product_abt(block.live_rows, n, D,
+                           rows_.q_pairs.data() + (m * Bq + block.lo) * words, words,
+                           {row_ptr(k, block.b, h / group_of_kv_, slot), k.stride[2]},
+                           {tile.slab + block.lo * ws_.row_stride + m * ws_.tile + (s - tile.begin),
+                            ws_.row_stride, p_.scale, false},
+                           rows_.b_pairs.data());
+        });
+      }
     p_.keys.runs(block.b, tile.begin, tile.end, [&](index_t s, index_t slot, index_t n) {
       gemm_abt<A>(block.live_rows, n, D, q, ldq, row_ptr(k, block.b, h / group_of_kv_, slot),
                   k.stride[2],
@@ -345,6 +381,12 @@ class ForwardKernel {
     const auto& v = p_.v;
     p_.keys.runs(block.b, tile.begin, tile.end, [&](index_t s, index_t slot, index_t n) {
       const A* probs = tile.slab + block.lo * ws_.row_stride + m * ws_.tile + (s - tile.begin);
+      if constexpr (std::is_same_v<T, bf16>)
+        if (bf16_products_)
+          return bf16_product_ab(block.live_rows, Dv, n, {probs, ws_.row_stride},
+                                 {row_ptr(v, block.b, h / group_of_kv_, slot), v.stride[2]},
+                                 {out_rows(m) + block.lo * Dv, Dv, 1.0f, true},
+                                 rows_.a_pairs.data(), rows_.b_pairs.data());
       gemm_ab<A, T>(block.live_rows, Dv, n, {probs, ws_.row_stride},
                     {row_ptr(v, block.b, h / group_of_kv_, slot), v.stride[2]},
                     {out_rows(m) + block.lo * Dv, Dv}, true, rows_.kt.data(), A(1),
@@ -369,6 +411,7 @@ class ForwardKernel {
   const ComposeSides<A>& sides_;
   const ComposeFn<A> pre_fn_, post_fn_;
   const index_t M_, group_of_kv_;
+  const bool bf16_products_;
 };
 
 }  // namespace dcmha::cpu

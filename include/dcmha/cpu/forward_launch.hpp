@@ -52,7 +52,7 @@ void forward_independent_items(const ForwardLaunch<T>& launch, Workspace& mem,
     errors.attempt([&] {
       ws.init(p.dims, launch.mask, 1, launch.Bq, panels + thread_id() * launch.private_size);
       sides.init(p.dims, p.compose, p.keys);
-      rows.emplace(sides, ws, p.dims, launch.kNarrow);
+      rows.emplace(sides, ws, p.dims, launch.kNarrow, launch.bf16_products);
     });
     barrier();
     if (!errors.failed()) {
@@ -81,7 +81,7 @@ void forward_private_blocks(const ForwardLaunch<T>& launch, ComposeSides<acc_t<T
     std::optional<ForwardRows<A>> rows;
     errors.attempt([&] {
       ws.init(p.dims, launch.mask, 1, launch.Bq, panels + team.rank * launch.private_size);
-      rows.emplace(sides, ws, p.dims, launch.kNarrow);
+      rows.emplace(sides, ws, p.dims, launch.kNarrow, launch.bf16_products);
     });
     barrier();
     if (!errors.failed()) {
@@ -116,7 +116,9 @@ void forward_shared_keys(const ForwardLaunch<T>& launch, ComposeSides<acc_t<T>>&
               detail::WorkspaceAccess::shared<A>(mem, 0, size));
     });
     std::optional<ForwardRows<A>> rows;
-    if (!errors.failed()) errors.attempt([&] { rows.emplace(sides, ws, p.dims, launch.kNarrow); });
+    if (!errors.failed())
+      errors.attempt(
+          [&] { rows.emplace(sides, ws, p.dims, launch.kNarrow, launch.bf16_products); });
     barrier();
     if (!errors.failed()) {
       ForwardKernel<T, A> kernel(p, launch.mask, team, ws, *rows, sides);

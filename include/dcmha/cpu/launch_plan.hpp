@@ -16,6 +16,7 @@
 #include "../config.hpp"
 #include "../tensor.hpp"
 #include "../workspace.hpp"
+#include "bf16_products.hpp"
 #include "tile.hpp"
 
 namespace dcmha::cpu {
@@ -95,9 +96,13 @@ struct LaunchBase {
   const Params& params;
   detail::RowMask mask;
   int threads;
+  bool bf16_products;  // the tile products on bf16 pairs (bf16_products.hpp)
 
   LaunchBase(const Params& p, int threads_)
-      : params(p), mask(p.mask, p.dims.T, p.dims.S), threads(threads_) {}
+      : params(p),
+        mask(p.mask, p.dims.T, p.dims.S),
+        threads(threads_),
+        bf16_products(uses_bf16_products<T>(p.products)) {}
 
   /// One Workspace block for every thread's own panels, `per_thread` values each: forward and
   /// backward calls share (and keep) one buffer for their panels.

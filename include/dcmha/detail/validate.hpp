@@ -28,6 +28,9 @@ inline void validate_config(const char* fn, const AttentionConfig& cfg) {
     fail(fn, ": cfg.num_threads: expected >= 0 (0 = all threads), got ", cfg.num_threads);
   // A NaN or infinite scale turns every score into NaN; <= 0 is the documented "default".
   if (!std::isfinite(cfg.scale)) fail(fn, ": cfg.scale: expected a finite value, got ", cfg.scale);
+  if (cfg.products != Products::exact && cfg.products != Products::storage_type)
+    fail(fn, ": cfg.products: expected Products::exact or Products::storage_type, got ",
+         static_cast<int>(cfg.products));
 }
 
 /// Per-sequence lengths: B values within [0, T] (queries) and [0, S] (keys).
@@ -198,6 +201,7 @@ void set_qkv_params(QkvParams<T>& p, const AttentionDims& dims, const AttentionC
   p.mask = {cfg.mask == Mask::causal, cfg.window, cfg.query_lengths, cfg.key_lengths};
   p.scale = resolved_scale<acc_t<T>>(cfg.scale, dims.D);
   p.num_threads = cfg.num_threads;
+  p.products = cfg.products;
 }
 
 /// validate_forward, then the backend's parameters of the call.
