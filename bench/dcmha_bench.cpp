@@ -108,10 +108,11 @@ void fill_normal(std::vector<float>& x, float stddev, std::uint64_t seed) {
     if (i + 1 < x.size()) x[i + 1] = float(r * std::sin(two_pi * u2));
   }
 }
-void fill_normal(std::vector<dcmha::bf16>& x, float stddev, std::uint64_t seed) {
+template <class T>
+void fill_normal(std::vector<T>& x, float stddev, std::uint64_t seed) {
   std::vector<float> f(x.size());
   fill_normal(f, stddev, seed);
-  for (std::size_t i = 0; i < x.size(); ++i) x[i] = dcmha::bf16(f[i]);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = T(f[i]);
 }
 
 // One for every case and call, as a training loop keeps one: the timings are of the steady state,
@@ -369,27 +370,43 @@ void run_case(benchmark::State& state, const Case& c) {
 // ---------------------------------------------------------------------------------------------
 // Decoding: one new token per sequence against a DecodeCache of S tokens
 
+enum class Storage { f32, bf16, f16 };
+
 struct DecodeCase {
   Op op;
   index_t B, H, S, D;
+  Storage storage = Storage::f32;  // the cache's, the query's and the output's type
 };
 
 std::string name_of(const DecodeCase& c) {
-  return std::string("decode/") + name_of(c.op) + "/B" + std::to_string(c.B) + "/H" +
+  const char* type = c.storage == Storage::bf16  ? "/bf16"
+                     : c.storage == Storage::f16 ? "/fp16"
+                                                 : "";
+  return std::string("decode/") + name_of(c.op) + type + "/B" + std::to_string(c.B) + "/H" +
          std::to_string(c.H) + "/S" + std::to_string(c.S) + "/D" + std::to_string(c.D);
 }
+
+/// A decode problem of any storage type, behind one interface for the benchmark's cache of one.
+struct DecodeRunner {
+  DecodeCase c;
+  explicit DecodeRunner(const DecodeCase& c_) : c(c_) {}
+  virtual ~DecodeRunner() = default;
+  virtual void decode(const dcmha::AttentionConfig& cfg) = 0;
+  /// K + V (+ key-wise compose state) of all B sequences, per cached token, in bytes.
+  virtual double cache_bytes_per_token() const = 0;
+};
 
 // The cache is filled once, outside the timed loop, and then holds S tokens per sequence, the new
 // one (appended last, alone) included. Every timed iteration decodes that same token again, so
 // the cache neither grows nor changes between iterations.
-struct DecodeProblem {
+template <class T>
+struct DecodeProblem : DecodeRunner {
   static constexpr index_t kFillChunk = 512;
-  DecodeCase c;
   dcmha::DecodeCacheConfig cc;
-  dcmha::DecodeCache<float> cache;
-  std::vector<float> q, out;
-  dcmha::DynamicWeightsStorage<float> step_dynw;  // the new token's dynamic weights
-  dcmha::ComposeWeights<float> query_side;
+  dcmha::DecodeCache<T> cache;
+  std::vector<T> q, out;
+  dcmha::DynamicWeightsStorage<T> step_dynw;  // the new token's dynamic weights
+  dcmha::ComposeWeights<T> query_side;
 
   static dcmha::DecodeCacheConfig config(const DecodeCase& c) {
     dcmha::DecodeCacheConfig cc;
@@ -407,22 +424,22 @@ struct DecodeProblem {
     return cc;
   }
 
-  explicit DecodeProblem(const DecodeCase& c_) : c(c_), cc(config(c_)), cache(cc) {
+  explicit DecodeProblem(const DecodeCase& c_) : DecodeRunner(c_), cc(config(c_)), cache(cc) {
     const index_t B = c.B, H = c.H, D = c.D, M = H / kGroups, chunk = cc.max_step;
     const bool dc = c.op == Op::dcmha;
-    std::vector<float> k(static_cast<std::size_t>(B * H * chunk * D)), v(k.size());
+    std::vector<T> k(static_cast<std::size_t>(B * H * chunk * D)), v(k.size());
     fill_normal(k, 1.0f, 2);
     fill_normal(v, 1.0f, 3);
-    dcmha::DynamicWeightsStorage<float> fill_dynw(B, chunk, kGroups, kRank, M);
+    dcmha::DynamicWeightsStorage<T> fill_dynw(B, chunk, kGroups, kRank, M);
     fill_normal(fill_dynw.data, 0.1f, 4);
     // The first n tokens of the chunk buffers.
-    auto kv = [&](std::vector<float>& x, index_t n) {
+    auto kv = [&](std::vector<T>& x, index_t n) {
       return dcmha::view<4>(x.data(), {B, H, n, D}, {H * chunk * D, chunk * D, D, 1});
     };
-    auto key_side = [&](dcmha::DynamicWeightsStorage<float>& dw, index_t n) {
-      if (!dc) return dcmha::ComposeWeights<float>{};
-      dcmha::ComposeWeights<float> w = dcmha::decode_key_side(dw.views());
-      for (dcmha::ComposeTerms<float>* t : {&w.pre, &w.post}) {
+    auto key_side = [&](dcmha::DynamicWeightsStorage<T>& dw, index_t n) {
+      if (!dc) return dcmha::ComposeWeights<T>{};
+      dcmha::ComposeWeights<T> w = dcmha::decode_key_side(dw.views());
+      for (dcmha::ComposeTerms<T>* t : {&w.pre, &w.post}) {
         t->kw1.shape[1] = n;
         t->kw2.shape[1] = n;
         t->kdd.shape[1] = n;
@@ -434,7 +451,7 @@ struct DecodeProblem {
       cache.append(kv(k, n), kv(v, n), key_side(fill_dynw, n));
       done += n;
     }
-    step_dynw = dcmha::DynamicWeightsStorage<float>(B, 1, kGroups, kRank, M);
+    step_dynw = dcmha::DynamicWeightsStorage<T>(B, 1, kGroups, kRank, M);
     fill_normal(step_dynw.data, 0.1f, 5);
     cache.append(kv(k, 1), kv(v, 1), key_side(step_dynw, 1));
     if (dc) query_side = dcmha::decode_query_side(step_dynw.views());
@@ -443,28 +460,34 @@ struct DecodeProblem {
     fill_normal(q, 1.0f, 1);
   }
 
-  void decode(const dcmha::AttentionConfig& cfg) {
-    dcmha::decode(cfg, dcmha::bhtd(q.data(), c.B, c.H, 1, c.D), cache, query_side,
+  void decode(const dcmha::AttentionConfig& cfg) override {
+    const T* cq = q.data();
+    dcmha::decode(cfg, dcmha::bhtd(cq, c.B, c.H, 1, c.D), cache, query_side,
                   dcmha::bhtd(out.data(), c.B, c.H, 1, c.D));
   }
 
-  /// K + V (+ key-wise compose state) of all B sequences, per cached token.
-  double cache_bytes_per_token() const {
-    return double(dcmha::DecodeCache<float>::required_elements(cc)) * sizeof(float) / double(c.S);
+  double cache_bytes_per_token() const override {
+    return double(dcmha::DecodeCache<T>::required_elements(cc)) * sizeof(T) / double(c.S);
   }
 };
 
-std::unique_ptr<DecodeProblem> cached_decode;
+std::unique_ptr<DecodeRunner> cached_decode;
 void release_decode_problem() { cached_decode.reset(); }
 
 // Like problem_for: one problem at a time, the attention problem released first.
-DecodeProblem& decode_problem_for(const DecodeCase& c) {
+DecodeRunner& decode_problem_for(const DecodeCase& c) {
   cached.reset();
   cached_bf16.reset();
-  if (!cached_decode || cached_decode->c.op != c.op || cached_decode->c.B != c.B ||
-      cached_decode->c.H != c.H || cached_decode->c.S != c.S || cached_decode->c.D != c.D) {
+  const DecodeCase* k = cached_decode ? &cached_decode->c : nullptr;
+  if (!k || k->op != c.op || k->B != c.B || k->H != c.H || k->S != c.S || k->D != c.D ||
+      k->storage != c.storage) {
     cached_decode.reset();
-    cached_decode = std::make_unique<DecodeProblem>(c);
+    if (c.storage == Storage::bf16)
+      cached_decode = std::make_unique<DecodeProblem<dcmha::bf16>>(c);
+    else if (c.storage == Storage::f16)
+      cached_decode = std::make_unique<DecodeProblem<dcmha::half>>(c);
+    else
+      cached_decode = std::make_unique<DecodeProblem<float>>(c);
   }
   return *cached_decode;
 }
@@ -472,7 +495,7 @@ DecodeProblem& decode_problem_for(const DecodeCase& c) {
 void run_decode_case(benchmark::State& state, const DecodeCase& c) {
   const dcmha::AttentionConfig cfg;
   try {
-    DecodeProblem& p = decode_problem_for(c);
+    DecodeRunner& p = decode_problem_for(c);
     p.decode(cfg);  // warm-up: the first touch of the output and the OpenMP pool
     for (auto _ : state) {
       p.decode(cfg);
@@ -484,10 +507,102 @@ void run_decode_case(benchmark::State& state, const DecodeCase& c) {
                            benchmark::Counter::kIsIterationInvariantRate);
     state.counters["threads"] = max_threads();
     state.counters["cache_bytes_per_token"] = p.cache_bytes_per_token();
+    // The cache's bytes read per call (each cached token once) as a rate, next to
+    // memory_bandwidth's.
+    state.counters["cache_read_GBps"] =
+        benchmark::Counter(p.cache_bytes_per_token() * double(c.S) * 1e-9,
+                           benchmark::Counter::kIsIterationInvariantRate);
   } catch (const std::exception& e) {
     g_any_failed = true;
     state.SkipWithError(e.what());
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The machine's DRAM read bandwidth: what decode, which reads its cache once per token, is
+// bound by. Every thread sums its share of a buffer far larger than the caches (64-bit XOR in
+// eight independent lanes, which the compiler vectorizes), read once per iteration.
+
+struct BandwidthCase {
+  index_t mebibytes;
+};
+std::string name_of(const BandwidthCase& c) {
+  return "memory_bandwidth/read/" + std::to_string(c.mebibytes) + "MiB";
+}
+
+void run_bandwidth_case(benchmark::State& state, const BandwidthCase& c) {
+  release_decode_problem();
+  cached.reset();
+  cached_bf16.reset();
+  const index_t words = c.mebibytes * (index_t(1) << 20) / 8;
+  std::vector<std::uint64_t> buffer(static_cast<std::size_t>(words));
+#pragma omp parallel for schedule(static)
+  for (index_t i = 0; i < words; ++i) buffer[i] = std::uint64_t(i) * 0x9E3779B97F4A7C15ull;
+  auto read_all = [&] {
+    std::uint64_t total = 0;
+#pragma omp parallel reduction(^ : total)
+    {
+      index_t begin = 0, end = words;
+#ifdef _OPENMP
+      const index_t share = (words / omp_get_num_threads() + 7) / 8 * 8;
+      begin = std::min(words, share * omp_get_thread_num());
+      end = std::min(words, begin + share);
+#endif
+      std::uint64_t lane[8] = {};
+      for (index_t i = begin; i + 8 <= end; i += 8)
+        for (int l = 0; l < 8; ++l) lane[l] ^= buffer[i + l];
+      for (int l = 0; l < 8; ++l) total ^= lane[l];
+    }
+    return total;
+  };
+  benchmark::DoNotOptimize(read_all());
+  for (auto _ : state) benchmark::DoNotOptimize(read_all());
+  state.counters["read_GBps"] =
+      benchmark::Counter(double(words) * 8e-9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["threads"] = max_threads();
+}
+
+// ---------------------------------------------------------------------------------------------
+// One tile product alone, one thread, operands in L1/L2: the exact products' float FMA kernel
+// (cpu/gemm.hpp) against the bf16 pair products of Products::storage_type (cpu/bf16_products.hpp)
+// on the same shape, the forward's 128-row block by a 128-key tile at D = 128.
+
+struct TileProductCase {
+  bool bf16_pairs;
+  index_t rows, cols, depth;
+};
+std::string name_of(const TileProductCase& c) {
+  return std::string("tile_product/") + (c.bf16_pairs ? "bf16_pairs" : "float_fma") + "/" +
+         std::to_string(c.rows) + "x" + std::to_string(c.cols) + "x" + std::to_string(c.depth);
+}
+
+void run_tile_product_case(benchmark::State& state, const TileProductCase& c) {
+  if (c.bf16_pairs && !dcmha::cpu::bf16_products_available()) {
+    state.SkipWithError("no AVX512_BF16 on this CPU");
+    return;
+  }
+  std::vector<float> a(c.rows * c.depth), b(c.depth * c.cols), out(c.rows * c.cols);
+  fill_normal(a, 1.0f, 1);
+  fill_normal(b, 1.0f, 2);
+  const index_t pairs = dcmha::cpu::pair_count(c.depth);
+  std::vector<std::uint32_t> a_pairs(c.rows * pairs), b_pairs(pairs * c.cols);
+  std::vector<dcmha::bf16> b_rows(b.begin(), b.end());
+  auto run = [&] {
+    if (!c.bf16_pairs)
+      return dcmha::cpu::gemm_nn<float>(c.rows, c.cols, c.depth, a.data(), c.depth, 1, b.data(),
+                                        c.cols, out.data(), c.cols, false);
+    // P'V's form: A float rows rounded into pairs, B's rows interleaved, then the product.
+    dcmha::cpu::bf16_product_ab(c.rows, c.cols, c.depth, {a.data(), c.depth},
+                                {b_rows.data(), c.cols}, {out.data(), c.cols, 1.0f, false},
+                                a_pairs.data(), b_pairs.data());
+  };
+  run();
+  for (auto _ : state) {
+    run();
+    benchmark::ClobberMemory();
+  }
+  state.counters["FLOPS"] = benchmark::Counter(2.0 * double(c.rows * c.cols * c.depth),
+                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
 /// Registers case c under name_of(c), timed by run(state, c) in wall-clock milliseconds.
@@ -499,6 +614,10 @@ void register_named(const C& c, void (*run)(benchmark::State&, const C&)) {
 }
 
 void register_decode_case(const DecodeCase& c) { register_named(c, run_decode_case); }
+void register_bandwidth_case(const BandwidthCase& c) { register_named(c, run_bandwidth_case); }
+void register_tile_product_case(const TileProductCase& c) {
+  register_named(c, run_tile_product_case);
+}
 void register_case(const Case& c) { register_named(c, run_case); }
 
 // ---------------------------------------------------------------------------------------------
@@ -681,6 +800,14 @@ void register_all(bool smoke, bool memory_everywhere) {
     for (index_t B : {1, 8})
       for (Op op : {Op::mha, Op::dcmha})
         register_decode_case({op, B, smoke ? 4 : 32, S, smoke ? 16 : 128});
+  // The same with bf16 and fp16 caches (half the bytes per token) at a batch of 8.
+  for (index_t S : smoke ? std::vector<index_t>{64} : std::vector<index_t>{4096, 16384})
+    for (Storage storage : {Storage::bf16, Storage::f16})
+      for (Op op : {Op::mha, Op::dcmha})
+        register_decode_case({op, 8, smoke ? 4 : 32, S, smoke ? 16 : 128, storage});
+  register_bandwidth_case({smoke ? 64 : 2048});
+  for (bool pairs : {false, true})
+    register_tile_product_case({pairs, smoke ? 16 : 128, smoke ? 16 : 128, smoke ? 16 : 128});
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "../compose_weights.hpp"
 #include "../params.hpp"
 #include "../tensor.hpp"
+#include "convert.hpp"
 #include "tile.hpp"
 
 namespace dcmha::cpu {
@@ -111,6 +112,19 @@ struct KernelComposeTerms {
           kd = c.kdd.data + b * c.kdd.stride[0] + g * c.kdd.stride[2];
         }
       }
+      return;
+    }
+    if (has_k && ring.capacity == 0 && kernel_layout(c)) {
+      // A narrow decode cache: each (r, m) row of keys is contiguous, widened as one run.
+      const T* k1 = c.kw1.data + b * c.kw1.stride[0] + g * c.kw1.stride[2];
+      const T* k2 = c.kw2.data + b * c.kw2.stride[0] + g * c.kw2.stride[2];
+      const T* kd = c.kdd.data + b * c.kdd.stride[0] + g * c.kdd.stride[2];
+      const index_t l = c.kdd.stride[3], n = s1 - s0;
+      for (index_t row = 0; row < Rk * M; ++row) {
+        widen_row(k1 + row * l + s0, kw1.data() + row * ld + s0, n, A(1));
+        widen_row(k2 + row * l + s0, kw2.data() + row * ld + s0, n, A(1));
+      }
+      for (index_t m = 0; m < M; ++m) widen_row(kd + m * l + s0, kdd.data() + m * ld + s0, n, A(1));
       return;
     }
     if (has_k)

@@ -211,6 +211,10 @@ void gemm_nt_few_rows(index_t rows, index_t n, index_t depth, const A* a, index_
 /// Below this many rows gemm_abt / gemm_ab read K and V in place instead of packing key tiles
 /// that too few rows would share.
 constexpr index_t kPackMinRows = 8;
+/// Narrow K or V rows for so few rows (decoding a bf16 or fp16 cache) are widened this many at a
+/// time, into an L1-sized piece of the buffer: a decode tile holds thousands of keys, whose
+/// widened copy (2 MiB at 4096 keys, D = 128) would go out to L3 and back.
+constexpr index_t kFewRowsKeys = 64;
 
 /// C[i][:] (+)= sum_k A(i, k) B[k][:] for i < rows, over `depth` rows of B (row stride ldb, ncol
 /// contiguous columns); A(i, k) = a[i * ars + k * acs], so A may be read transposed. C is
@@ -284,8 +288,12 @@ void gemm_abt(index_t rows, index_t n, index_t depth, const A* a, index_t lda, c
     if constexpr (std::is_same_v<S, A>) {
       return gemm_nt_few_rows<A>(rows, n, depth, a, lda, b, ldb, c, ldc, alpha);
     } else {  // widened in row order: the same dot products as for float storage
-      pack_rows<A>(n, depth, b, ldb, buf, depth);
-      return gemm_nt_few_rows<A>(rows, n, depth, a, lda, buf, depth, c, ldc, alpha);
+      for (index_t j = 0; j < n; j += kFewRowsKeys) {
+        const index_t keys = std::min(kFewRowsKeys, n - j);
+        pack_rows<A>(keys, depth, b + j * ldb, ldb, buf, depth);
+        gemm_nt_few_rows<A>(rows, keys, depth, a, lda, buf, depth, c + j, ldc, alpha);
+      }
+      return;
     }
   }
   pack_transposed<A>(n, depth, b, ldb, alpha, buf, n);
@@ -306,10 +314,20 @@ template <class A, class S>
 void gemm_ab(index_t rows, index_t ncol, index_t depth, MatrixRows<const A> a,
              MatrixRows<const S> b, MatrixRows<A> c, bool accumulate, A* buf, A alpha,
              const NextReads& next) {
-  if constexpr (std::is_same_v<S, A>)
-    if (rows < kPackMinRows && alpha == A(1))
-      return gemm_nn<A>(rows, ncol, depth, a.data, a.ld, 1, b.data, b.ld, c.data, c.ld, accumulate,
-                        next);
+  if (rows < kPackMinRows) {
+    if constexpr (std::is_same_v<S, A>)
+      if (alpha == A(1))
+        return gemm_nn<A>(rows, ncol, depth, a.data, a.ld, 1, b.data, b.ld, c.data, c.ld,
+                          accumulate, next);
+    // Widened a chunk of rows at a time (the sums continue from chunk to chunk in the same order).
+    for (index_t k = 0; k < depth; k += kFewRowsKeys) {
+      const index_t keys = std::min(kFewRowsKeys, depth - k);
+      pack_rows<A>(keys, ncol, b.data + k * b.ld, b.ld, buf, ncol, alpha);
+      gemm_nn<A>(rows, ncol, keys, a.data + k, a.ld, 1, buf, ncol, c.data, c.ld,
+                 accumulate || k > 0, next);
+    }
+    return;
+  }
   pack_rows<A>(depth, ncol, b.data, b.ld, buf, ncol, alpha);
   gemm_nn<A>(rows, ncol, depth, a.data, a.ld, 1, buf, ncol, c.data, c.ld, accumulate, next);
 }
