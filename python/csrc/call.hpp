@@ -27,6 +27,7 @@ struct Settings {
   std::int64_t window = 0;  // 0: no window; W: a query sees W keys up to its own position
   double scale = 0.0;       // 0: 1/sqrt(D)
   at::Tensor query_lengths, key_lengths;  // int64 (B) or undefined
+  bool storage_type_products = false;     // dcmha::Products::storage_type, else exact
 };
 
 struct ForwardResult {

@@ -21,6 +21,7 @@ inline dcmha::AttentionConfig config_of(const Settings& s) {
   cfg.query_lengths = view_of<const dcmha::index_t, 1>(s.query_lengths);
   cfg.key_lengths = view_of<const dcmha::index_t, 1>(s.key_lengths);
   cfg.num_threads = at::get_num_threads();
+  cfg.products = s.storage_type_products ? dcmha::Products::storage_type : dcmha::Products::exact;
   return cfg;
 }
 

@@ -39,9 +39,10 @@ OptionalTensorList list_of(const ComposeEntries& e) {
 
 Settings settings_of(bool causal, int64_t window, double scale,
                      const c10::optional<at::Tensor>& query_lengths,
-                     const c10::optional<at::Tensor>& key_lengths) {
+                     const c10::optional<at::Tensor>& key_lengths, bool storage_type_products) {
   Settings s;
   s.causal = causal, s.window = window, s.scale = scale;
+  s.storage_type_products = storage_type_products;
   if (query_lengths) s.query_lengths = *query_lengths;
   if (key_lengths) s.key_lengths = *key_lengths;
   return s;
@@ -105,10 +106,12 @@ namespace {
 std::tuple<at::Tensor, at::Tensor> attention_forward_cpu(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const OptionalTensorList& compose, bool causal, int64_t window, double scale,
-    const c10::optional<at::Tensor>& query_lengths, const c10::optional<at::Tensor>& key_lengths) {
+    const c10::optional<at::Tensor>& query_lengths, const c10::optional<at::Tensor>& key_lengths,
+    bool storage_type_products) {
   const char* fn = "dcmha.attention_forward";
   const ComposeEntries entries = entries_of(fn, "compose", compose);
-  const Settings s = settings_of(causal, window, scale, query_lengths, key_lengths);
+  const Settings s =
+      settings_of(causal, window, scale, query_lengths, key_lengths, storage_type_products);
   const ForwardArgs args{q, k, v, entries, s};
   check_arguments(fn, args);
   const ForwardResult r =
@@ -120,10 +123,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attentio
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const OptionalTensorList& compose, const at::Tensor& lse, const at::Tensor& dout, bool causal,
     int64_t window, double scale, const c10::optional<at::Tensor>& query_lengths,
-    const c10::optional<at::Tensor>& key_lengths) {
+    const c10::optional<at::Tensor>& key_lengths, bool storage_type_products) {
   const char* fn = "dcmha.attention_backward";
   const ComposeEntries entries = entries_of(fn, "compose", compose);
-  const Settings s = settings_of(causal, window, scale, query_lengths, key_lengths);
+  const Settings s =
+      settings_of(causal, window, scale, query_lengths, key_lengths, storage_type_products);
   const ForwardArgs inputs{q, k, v, entries, s};
   check_arguments(fn, inputs);
   check_tensor(fn, "dout", dout, q.scalar_type());
@@ -156,14 +160,16 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("dcmha::attention_forward", "")
                          .typed<decltype(attention_forward_cpu)>();
-    auto [out, lse] = op.call(q, k, v, list_of(entries), s.causal, s.window, s.scale,
-                              optional_of(s.query_lengths), optional_of(s.key_lengths));
+    auto [out, lse] =
+        op.call(q, k, v, list_of(entries), s.causal, s.window, s.scale,
+                optional_of(s.query_lengths), optional_of(s.key_lengths), s.storage_type_products);
     std::vector<at::Tensor> saved = {q, k, v, lse, s.query_lengths, s.key_lengths};
     saved.insert(saved.end(), entries.begin(), entries.end());
     ctx->save_for_backward(saved);
     ctx->saved_data["causal"] = s.causal;
     ctx->saved_data["window"] = s.window;
     ctx->saved_data["scale"] = s.scale;
+    ctx->saved_data["storage_type_products"] = s.storage_type_products;
     return out;
   }
 
@@ -178,7 +184,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     auto [dq, dk, dv, dcompose] =
         op.call(saved[0], saved[1], saved[2], list_of(entries), saved[3], grads[0],
                 ctx->saved_data["causal"].toBool(), ctx->saved_data["window"].toInt(),
-                ctx->saved_data["scale"].toDouble(), optional_of(saved[4]), optional_of(saved[5]));
+                ctx->saved_data["scale"].toDouble(), optional_of(saved[4]), optional_of(saved[5]),
+                ctx->saved_data["storage_type_products"].toBool());
     torch::autograd::variable_list result = {dq, dk, dv};
     result.emplace_back();  // the settings
     size_t next = 0;
@@ -198,19 +205,22 @@ at::Tensor apply_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 at::Tensor attention_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const OptionalTensorList& compose, bool causal, int64_t window,
                               double scale, const c10::optional<at::Tensor>& query_lengths,
-                              const c10::optional<at::Tensor>& key_lengths) {
+                              const c10::optional<at::Tensor>& key_lengths,
+                              bool storage_type_products) {
   const ComposeEntries entries = entries_of("dcmha.attention", "compose", compose);
-  return apply_attention(q, k, v, settings_of(causal, window, scale, query_lengths, key_lengths),
-                         entries, std::make_index_sequence<kComposeEntries>());
+  return apply_attention(
+      q, k, v,
+      settings_of(causal, window, scale, query_lengths, key_lengths, storage_type_products),
+      entries, std::make_index_sequence<kComposeEntries>());
 }
 
 /// Without autograd (inference mode, or below the autograd kernel): the forward op's output.
 at::Tensor attention_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                          const OptionalTensorList& compose, bool causal, int64_t window,
                          double scale, const c10::optional<at::Tensor>& query_lengths,
-                         const c10::optional<at::Tensor>& key_lengths) {
-  return std::get<0>(
-      attention_forward_cpu(q, k, v, compose, causal, window, scale, query_lengths, key_lengths));
+                         const c10::optional<at::Tensor>& key_lengths, bool storage_type_products) {
+  return std::get<0>(attention_forward_cpu(q, k, v, compose, causal, window, scale, query_lengths,
+                                           key_lengths, storage_type_products));
 }
 
 /// Shapes only (the Meta backend: torch.compile's fake tensors, opcheck), checked as the CPU
@@ -220,7 +230,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& q, c
                                                           const OptionalTensorList& compose, bool,
                                                           int64_t, double,
                                                           const c10::optional<at::Tensor>&,
-                                                          const c10::optional<at::Tensor>&) {
+                                                          const c10::optional<at::Tensor>&, bool) {
   const char* fn = "dcmha.attention_forward";
   entries_of(fn, "compose", compose);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
@@ -233,15 +243,16 @@ std::tuple<at::Tensor, at::Tensor> attention_forward_meta(const at::Tensor& q, c
 at::Tensor attention_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const OptionalTensorList& compose, bool causal, int64_t window,
                           double scale, const c10::optional<at::Tensor>& query_lengths,
-                          const c10::optional<at::Tensor>& key_lengths) {
-  return std::get<0>(
-      attention_forward_meta(q, k, v, compose, causal, window, scale, query_lengths, key_lengths));
+                          const c10::optional<at::Tensor>& key_lengths,
+                          bool storage_type_products) {
+  return std::get<0>(attention_forward_meta(q, k, v, compose, causal, window, scale, query_lengths,
+                                            key_lengths, storage_type_products));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attention_backward_meta(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const OptionalTensorList& compose, const at::Tensor&, const at::Tensor&, bool, int64_t, double,
-    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&) {
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, bool) {
   const ComposeEntries entries = entries_of("dcmha.attention_backward", "compose", compose);
   std::vector<at::Tensor> dcompose;
   for (const at::Tensor& e : entries)
@@ -254,7 +265,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>> attentio
 
 #define DCMHA_TORCH_ATTENTION_ARGS                                                    \
   "Tensor q, Tensor k, Tensor v, Tensor?[] compose, bool causal=True, int window=0, " \
-  "float scale=0., Tensor? query_lengths=None, Tensor? key_lengths=None"
+  "float scale=0., Tensor? query_lengths=None, Tensor? key_lengths=None, "            \
+  "bool storage_type_products=False"
 
 TORCH_LIBRARY(dcmha, m) {
   m.def("attention(" DCMHA_TORCH_ATTENTION_ARGS ") -> Tensor");
@@ -262,7 +274,8 @@ TORCH_LIBRARY(dcmha, m) {
   m.def(
       "attention_backward(Tensor q, Tensor k, Tensor v, Tensor?[] compose, Tensor lse, "
       "Tensor dout, bool causal, int window, float scale, Tensor? query_lengths, "
-      "Tensor? key_lengths) -> (Tensor, Tensor, Tensor, Tensor[])");
+      "Tensor? key_lengths, bool storage_type_products=False) -> "
+      "(Tensor, Tensor, Tensor, Tensor[])");
 }
 
 TORCH_LIBRARY_IMPL(dcmha, CPU, m) {

@@ -47,28 +47,44 @@ def _settings(fn, causal, window, scale):
     return bool(causal), 0 if window is None else int(window), 0.0 if scale is None else float(scale)
 
 
+_PRODUCTS = ("exact", "storage_type")
+
+
+def _storage_type_products(fn, products):
+    if products not in _PRODUCTS:
+        raise ValueError(f"dcmha_torch.{fn}: products: expected 'exact' or 'storage_type', "
+                         f"got {products!r}")
+    return products == "storage_type"
+
+
 def attention(q, k, v, compose=None, *, causal=True, window=None, scale=None,
-              query_lengths=None, key_lengths=None):
+              query_lengths=None, key_lengths=None, products="exact"):
     """The attention core: softmax(Compose_pre(scale q k^T) masked), Compose_post, times v.
 
     causal: query t sees key s iff s <= t + S - T (bottom-right aligned, per sequence with
     lengths); window: W >= 1 also requires (t + S - T) - s < W, i.e. W keys up to the query's
     own position (None: no window); scale: None for 1/sqrt(D); query_lengths, key_lengths:
     int64 (B) tensors of a right-padded batch (padding rows get zero output and gradients).
+    products: "exact" (float products on widened values: a bfloat16 or float16 result is the
+    float32 result rounded once) or "storage_type" (bfloat16 products with float accumulation on
+    the CPU's AVX512_BF16 where it has it, P' and dS rounded to bfloat16 first; every other dtype
+    and CPU computes as "exact"; dcmha's docs/performance.md has both modes' errors).
     Returns the output (B, H, T, Dv); the softmax statistics are kept for the backward.
     """
     return torch.ops.dcmha.attention(q, k, v, _compose_entries(compose),
                                      *_settings("attention", causal, window, scale),
-                                     query_lengths, key_lengths)
+                                     query_lengths, key_lengths,
+                                     _storage_type_products("attention", products))
 
 
 def attention_forward(q, k, v, compose=None, *, causal=True, window=None, scale=None,
-                      query_lengths=None, key_lengths=None):
+                      query_lengths=None, key_lengths=None, products="exact"):
     """attention's forward alone, without autograd: (out, lse), lse (B, H, T) in float32
     (float64 for float64 inputs)."""
     return torch.ops.dcmha.attention_forward(q, k, v, _compose_entries(compose),
                                              *_settings("attention_forward", causal, window, scale),
-                                             query_lengths, key_lengths)
+                                             query_lengths, key_lengths,
+                                             _storage_type_products("attention_forward", products))
 
 
 def dynamic_weights(x, dw1, qkw, dd, *, gelu="erf", eps=1e-6):

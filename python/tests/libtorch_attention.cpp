@@ -28,13 +28,13 @@ void expect_close(const char* what, const at::Tensor& got, const at::Tensor& exp
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const OptionalTensors& compose, bool causal) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("dcmha::attention", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                            const OptionalTensors&, bool, int64_t, double,
-                            const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&)>();
-  return op.call(q, k, v, compose, causal, 0, 0.0, c10::nullopt, c10::nullopt);
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("dcmha::attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const OptionalTensors&, bool, int64_t, double,
+                                         const c10::optional<at::Tensor>&,
+                                         const c10::optional<at::Tensor>&, bool)>();
+  return op.call(q, k, v, compose, causal, 0, 0.0, c10::nullopt, c10::nullopt, false);
 }
 
 void mha() {
@@ -86,21 +86,21 @@ void dcmha_compose() {
           .findSchemaOrThrow("dcmha::attention_forward", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(
               const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensors&, bool,
-              int64_t, double, const c10::optional<at::Tensor>&,
-              const c10::optional<at::Tensor>&)>();
+              int64_t, double, const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+              bool)>();
   static auto backward =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("dcmha::attention_backward", "")
           .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor, std::vector<at::Tensor>>(
               const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptionalTensors&,
               const at::Tensor&, const at::Tensor&, bool, int64_t, double,
-              const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&)>();
+              const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, bool)>();
   torch::NoGradGuard no_grad;
   const auto [out_direct, lse] =
-      forward.call(q, k, v, compose, true, 0, 0.0, c10::nullopt, c10::nullopt);
+      forward.call(q, k, v, compose, true, 0, 0.0, c10::nullopt, c10::nullopt, false);
   expect_close("DCMHA out, autograd op = forward op", out, out_direct, 0.0);
   const auto [dq, dk, dv, dcompose] =
-      backward.call(q, k, v, compose, lse, dout, true, 0, 0.0, c10::nullopt, c10::nullopt);
+      backward.call(q, k, v, compose, lse, dout, true, 0, 0.0, c10::nullopt, c10::nullopt, false);
   expect_close("DCMHA dq", grads[0], dq, 0.0);
   expect_close("DCMHA dk", grads[1], dk, 0.0);
   expect_close("DCMHA dv", grads[2], dv, 0.0);

@@ -229,6 +229,40 @@ class StorageTypes(unittest.TestCase):
             self.assertEqual(lse32.dtype, torch.float32)
 
 
+class StorageTypeProducts(unittest.TestCase):
+    def grads_of(self, q, k, v, compose, dout, products):
+        inputs = leaves(q, k, v, compose)
+        out = dcmha_torch.attention(q, k, v, compose, products=products)
+        return [out] + list(torch.autograd.grad(out, inputs, dout))
+
+    def test_bf16_against_the_float64_result(self):
+        # storage_type rounds P' and dS to bf16 where the CPU has AVX512_BF16 (and computes as
+        # exact elsewhere): every output within a few bf16 roundings of the float64 result.
+        q, k, v, compose = problem(H=4, T=40, D=32, dtype=torch.bfloat16, seed=5)
+        dout = torch.randn(q.shape[:3] + (v.shape[-1],)).to(torch.bfloat16)
+        got = self.grads_of(q, k, v, compose, dout, "storage_type")
+        d = lambda x: None if x is None else x.detach().double()
+        compose64 = tuple(tuple(d(e) for e in side) for side in compose)
+        want = self.grads_of(d(q), d(k), d(v), compose64, dout.double(), "exact")
+        for i, (a, b) in enumerate(zip(got, want)):
+            self.assertEqual(a.dtype, torch.bfloat16)
+            self.assertLess(max_relative(a.double(), b), 3e-2, f"output {i}")
+
+    def test_other_dtypes_compute_as_exact(self):
+        for dtype in (torch.float32, torch.float64, torch.float16):
+            q, k, v, compose = problem(dtype=dtype, seed=6)
+            dout = torch.randn(q.shape[:3] + (v.shape[-1],)).to(dtype)
+            exact = self.grads_of(q, k, v, compose, dout, "exact")
+            storage = self.grads_of(q, k, v, compose, dout, "storage_type")
+            for i, (a, b) in enumerate(zip(exact, storage)):
+                self.assertTrue(torch.equal(a, b), f"{dtype} output {i}")
+
+    def test_unknown_products_are_refused(self):
+        q, k, v, compose = problem()
+        with self.assertRaisesRegex(ValueError, "products: expected 'exact' or 'storage_type'"):
+            dcmha_torch.attention(q, k, v, compose, products="bf16")
+
+
 class Views(unittest.TestCase):
     def test_fused_qkv_views_are_read_in_place(self):
         B, T, H, D = 2, 6, 4, 8
