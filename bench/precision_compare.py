@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
                                 "tests"))
 import dcmha_torch  # noqa: E402
 import reference  # noqa: E402
+import torch_bench  # its loader of the official function  # noqa: E402
 
 
 def inputs(B, H, T, D, seed):
@@ -33,19 +34,6 @@ def inputs(B, H, T, D, seed):
         d = lambda: (0.1 * torch.randn(B, T, H, generator=g)).bfloat16()
         return (None, w(), w(), w(), w(), d(), d())
     return q, k, v, (side(), side())
-
-
-def official_function():
-    import test_dcformer_patch  # its loader of the official model file
-    if not os.path.isdir(test_dcformer_patch.OFFICIAL):
-        return None
-    atten_context = test_dcformer_patch.official()._atten_context
-
-    def run(q, k, v, compose):
-        T, S = q.shape[-2], k.shape[-2]
-        mask = torch.ones(T, S, dtype=torch.bool).tril(S - T)
-        return atten_context(q * q.shape[-1] ** -0.5, k, v, mask, compose[0], compose[1])
-    return run
 
 
 def outputs(fn, q, k, v, compose, dout, dtype):
@@ -69,7 +57,7 @@ def main():
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    official = official_function()
+    official = torch_bench.official_atten_context()
     impls = [("dcmha exact", lambda q, k, v, c: dcmha_torch.attention(q, k, v, c)),
              ("dcmha storage_type",
               lambda q, k, v, c: dcmha_torch.attention(q, k, v, c, products="storage_type"))]

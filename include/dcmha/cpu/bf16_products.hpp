@@ -320,25 +320,36 @@ struct ProductOutput {
   bool accumulate = false;
 };
 
+/// pair_product of rows x cols over `pairs` words of A (lda apart) and B (ldb apart) into c.
+inline void multiply_pairs(index_t rows, index_t cols, index_t pairs, const std::uint32_t* a,
+                           index_t lda, const std::uint32_t* b, index_t ldb,
+                           const ProductOutput& c) {
+#ifdef DCMHA_HAS_BF16_PRODUCTS
+  PairProduct p;
+  p.rows = rows;
+  p.cols = cols;
+  p.pairs = pairs;
+  p.a = a;
+  p.lda = lda;
+  p.b = b;
+  p.ldb = ldb;
+  p.c = c.data;
+  p.ldc = c.ld;
+  p.alpha = c.alpha;
+  p.accumulate = c.accumulate;
+  pair_product(p);
+#else  // never called: bf16_products_available() is false
+  (void)rows, (void)cols, (void)pairs, (void)a, (void)lda, (void)b, (void)ldb, (void)c;
+#endif
+}
+
 /// C (+)= alpha A B^T, rows x n over `depth`: A as pairs (pairs_of_rows, `lda` words apart), B's
 /// n rows transposed into `b_pairs` (pair_count(depth) x n words). The scores Q K^T, dP' = dO V^T.
 inline void bf16_product_abt(index_t rows, index_t n, index_t depth, const std::uint32_t* a,
                              index_t lda, Bf16Rows b, ProductOutput c, std::uint32_t* b_pairs) {
 #ifdef DCMHA_HAS_BF16_PRODUCTS
   pairs_transposed(n, depth, bf16_bits(b.data), b.ld, b_pairs, n);
-  PairProduct p;
-  p.rows = rows;
-  p.cols = n;
-  p.pairs = pair_count(depth);
-  p.a = a;
-  p.lda = lda;
-  p.b = b_pairs;
-  p.ldb = n;
-  p.c = c.data;
-  p.ldc = c.ld;
-  p.alpha = c.alpha;
-  p.accumulate = c.accumulate;
-  pair_product(p);
+  multiply_pairs(rows, n, pair_count(depth), a, lda, b_pairs, n, c);
 #else  // never called: bf16_products_available() is false
   (void)rows, (void)n, (void)depth, (void)a, (void)lda, (void)b, (void)c, (void)b_pairs;
 #endif
@@ -353,19 +364,7 @@ inline void bf16_product_ab(index_t rows, index_t cols, index_t depth, FloatRows
   const index_t pairs = pair_count(depth);
   pairs_of_float_rows(rows, depth, a.data, a.ld, a_pairs, pairs);
   pairs_interleaved(depth, cols, bf16_bits(b.data), b.ld, b_pairs, cols);
-  PairProduct p;
-  p.rows = rows;
-  p.cols = cols;
-  p.pairs = pairs;
-  p.a = a_pairs;
-  p.lda = pairs;
-  p.b = b_pairs;
-  p.ldb = cols;
-  p.c = c.data;
-  p.ldc = c.ld;
-  p.alpha = c.alpha;
-  p.accumulate = c.accumulate;
-  pair_product(p);
+  multiply_pairs(rows, cols, pairs, a_pairs, pairs, b_pairs, cols, c);
 #else  // never called: bf16_products_available() is false
   (void)rows, (void)cols, (void)depth, (void)a, (void)b, (void)c, (void)a_pairs, (void)b_pairs;
 #endif
@@ -380,19 +379,7 @@ inline void bf16_product_atb(index_t n, index_t cols, index_t depth, FloatRows a
 #ifdef DCMHA_HAS_BF16_PRODUCTS
   const index_t pairs = pair_count(depth);
   pairs_of_float_columns(depth, n, a.data, a.ld, a_pairs, pairs);
-  PairProduct p;
-  p.rows = n;
-  p.cols = cols;
-  p.pairs = pairs;
-  p.a = a_pairs;
-  p.lda = pairs;
-  p.b = b;
-  p.ldb = ldb;
-  p.c = c.data;
-  p.ldc = c.ld;
-  p.alpha = c.alpha;
-  p.accumulate = c.accumulate;
-  pair_product(p);
+  multiply_pairs(n, cols, pairs, a_pairs, pairs, b, ldb, c);
 #else  // never called: bf16_products_available() is false
   (void)n, (void)cols, (void)depth, (void)a, (void)b, (void)ldb, (void)c, (void)a_pairs;
 #endif
