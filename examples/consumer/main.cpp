@@ -1,5 +1,7 @@
-// Smallest useful dcmha program: one causal MHA forward on fixed data. Exits non-zero when
-// the call fails or the output is not finite, so a build script can use it as a check.
+// Smallest useful dcmha program: one causal MHA forward on fixed data, then the same in bf16 with
+// storage-type products (the CPU's bf16 dot products where it has them). Exits non-zero when a
+// call fails or an output is not finite or far from the float one, so a build script can use it
+// as a check.
 #include <dcmha/dcmha.hpp>
 
 #include <cmath>
@@ -26,10 +28,25 @@ int main() {
     return 1;
   }
 
+  // bf16 tensors, products in bf16 where the CPU can: within bf16's resolution of the float run.
+  std::vector<dcmha::bf16> q16(q.begin(), q.end()), k16(k.begin(), k.end()),
+      v16(v.begin(), v.end());
+  std::vector<dcmha::bf16> out16(out.size());
+  cfg.products = dcmha::Products::storage_type;
+  try {
+    const dcmha::bf16 *cq = q16.data(), *ck = k16.data(), *cv = v16.data();
+    dcmha::forward(cfg, dcmha::bhtd(cq, B, H, T, D), dcmha::bhtd(ck, B, H, T, D),
+                   dcmha::bhtd(cv, B, H, T, D), dcmha::bhtd(out16.data(), B, H, T, D));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "consumer: dcmha::forward (bf16) failed: %s\n", e.what());
+    return 1;
+  }
+
   double sum = 0.0;
-  for (float x : out) {
-    if (!std::isfinite(x)) {
-      std::fprintf(stderr, "consumer: non-finite output\n");
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const float x = out[i], x16 = static_cast<float>(out16[i]);
+    if (!std::isfinite(x) || !(std::fabs(x16 - x) <= 0.05f * (1.0f + std::fabs(x)))) {
+      std::fprintf(stderr, "consumer: output %zu: float %g, bf16 %g\n", i, x, x16);
       return 1;
     }
     sum += x;

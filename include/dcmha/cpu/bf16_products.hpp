@@ -77,6 +77,34 @@ inline __mmask16 first_lanes(index_t n) {
   return n >= 16 ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
 }
 
+// GCC 12 reports the _mm512_undefined_* inside the unmasked forms of these intrinsics as used
+// uninitialized (GCC bug 105593) wherever they are inlined, in every program that includes
+// dcmha: the zero-masking forms, the same instructions, have no undefined source.
+DCMHA_BF16_TARGET inline __m512i unpacklo_epi32(__m512i a, __m512i b) {
+  return _mm512_maskz_unpacklo_epi32(0xffff, a, b);
+}
+DCMHA_BF16_TARGET inline __m512i unpackhi_epi32(__m512i a, __m512i b) {
+  return _mm512_maskz_unpackhi_epi32(0xffff, a, b);
+}
+DCMHA_BF16_TARGET inline __m512i unpacklo_epi64(__m512i a, __m512i b) {
+  return _mm512_maskz_unpacklo_epi64(0xff, a, b);
+}
+DCMHA_BF16_TARGET inline __m512i unpackhi_epi64(__m512i a, __m512i b) {
+  return _mm512_maskz_unpackhi_epi64(0xff, a, b);
+}
+template <int kLanes>
+DCMHA_BF16_TARGET inline __m512i shuffle_lanes(__m512i a, __m512i b) {
+  return _mm512_maskz_shuffle_i32x4(0xffff, a, b, kLanes);
+}
+/// Each 32-bit lane shifted left by 16 bits (the second word of a pair to its place).
+DCMHA_BF16_TARGET inline __m512i shift_left_16(__m512i x) {
+  return _mm512_maskz_slli_epi32(0xffff, x, 16);
+}
+/// 16 words zero-extended to 32 bits.
+DCMHA_BF16_TARGET inline __m512i widen_words(__m256i x) {
+  return _mm512_maskz_cvtepu16_epi32(0xffff, x);
+}
+
 /// RB rows x CB vectors of C (the last `last_mask` lanes wide) at row i, column j.
 template <int RB, int CB>
 DCMHA_BF16_TARGET inline void pair_block(const PairProduct& p, index_t i, index_t j,
@@ -142,38 +170,36 @@ DCMHA_BF16_TARGET inline void pair_strip(const PairProduct& p, index_t j, __mmas
 DCMHA_BF16_TARGET inline void transpose_words(__m512i r[16]) {
   __m512i t[16];
   for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i] = unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
   // u[4i + k], 128-bit lane L: column 4L + k of rows 4i .. 4i + 3.
   __m512i u[16];
   for (int i = 0; i < 4; ++i) {
-    u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i] = unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
   }
   for (int k = 0; k < 4; ++k) {
-    const __m512i even0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x88);
-    const __m512i odd0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xdd);
-    const __m512i even1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x88);
-    const __m512i odd1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xdd);
-    r[k] = _mm512_shuffle_i32x4(even0, even1, 0x88);      // lane 0: column k
-    r[4 + k] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);    // lane 1: column 4 + k
-    r[8 + k] = _mm512_shuffle_i32x4(even0, even1, 0xdd);  // lane 2: column 8 + k
-    r[12 + k] = _mm512_shuffle_i32x4(odd0, odd1, 0xdd);   // lane 3: column 12 + k
+    const __m512i even0 = shuffle_lanes<0x88>(u[k], u[4 + k]);
+    const __m512i odd0 = shuffle_lanes<0xdd>(u[k], u[4 + k]);
+    const __m512i even1 = shuffle_lanes<0x88>(u[8 + k], u[12 + k]);
+    const __m512i odd1 = shuffle_lanes<0xdd>(u[8 + k], u[12 + k]);
+    r[k] = shuffle_lanes<0x88>(even0, even1);      // lane 0: column k
+    r[4 + k] = shuffle_lanes<0x88>(odd0, odd1);    // lane 1: column 4 + k
+    r[8 + k] = shuffle_lanes<0xdd>(even0, even1);  // lane 2: column 8 + k
+    r[12 + k] = shuffle_lanes<0xdd>(odd0, odd1);   // lane 3: column 12 + k
   }
 }
 
 /// 16 words of bf16 pairs from two rows of 16 floats each: word l = (lo[l], hi[l]), each rounded
 /// to nearest, ties to even (vcvtneps2bf16). A null `hi` row pairs with zeros.
 DCMHA_BF16_TARGET inline __m512i pair_words(const float* lo, const float* hi, __mmask16 mask) {
-  const __m512i l =
-      _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, lo)));
+  const __m512i l = widen_words((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, lo)));
   if (!hi) return l;
-  const __m512i h =
-      _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, hi)));
-  return _mm512_or_si512(l, _mm512_slli_epi32(h, 16));
+  const __m512i h = widen_words((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, hi)));
+  return _mm512_or_si512(l, shift_left_16(h));
 }
 
 }  // namespace detail_bf16
@@ -249,10 +275,10 @@ DCMHA_BF16_TARGET inline void pairs_interleaved(index_t n, index_t cols, const s
     std::uint32_t* d = dst + kp * ldd;
     for (index_t c = 0; c < cols; c += 16) {
       const __mmask16 mask = first_lanes(cols - c);
-      const __m512i l = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, lo + c));
-      const __m512i h = hi ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, hi + c))
-                           : _mm512_setzero_si512();
-      _mm512_mask_storeu_epi32(d + c, mask, _mm512_or_si512(l, _mm512_slli_epi32(h, 16)));
+      const __m512i l = widen_words(_mm256_maskz_loadu_epi16(mask, lo + c));
+      const __m512i h =
+          hi ? widen_words(_mm256_maskz_loadu_epi16(mask, hi + c)) : _mm512_setzero_si512();
+      _mm512_mask_storeu_epi32(d + c, mask, _mm512_or_si512(l, shift_left_16(h)));
     }
   }
 }

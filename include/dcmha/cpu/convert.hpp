@@ -64,7 +64,8 @@ inline void store8_narrowed(bf16* p, __m256 x) {
 /// Sixteen bf16 values widened to float.
 inline __m512 load16_widened(const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  // the zero-masking form: GCC 12 warns of the unmasked one's undefined source (bug 105593)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(0xffff, h), 16));
 }
 #endif
 
