@@ -419,7 +419,6 @@ class QueryGradKernel : BackwardBlock<T, Block> {
         blk_.sync();
         prefetch_values(keys);
         probabilities(s0, s);
-        const FragmentPlace f(blk_);
         DCMHA_UNROLL
         for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
         for (int i = 0; i < 4; ++i) s.c[j][i] *= dp.c[j][i] - row_dot_[i / 2];
