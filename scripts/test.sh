@@ -5,8 +5,8 @@
 #   bash scripts/test.sh
 #
 # Environment: BUILD_DIR (default build), JOBS (default: all cores), SANITIZERS (default
-# "asan tsan": AddressSanitizer + UBSan, then ThreadSanitizer; "asan" leaves out the latter, about
-# 11 minutes of a 35-minute run on 2 Zen 5 cores; "" skips both),
+# "asan tsan": AddressSanitizer + UBSan, then ThreadSanitizer; "asan" leaves out the latter, ""
+# skips both; their time is in docs/performance.md),
 # FUZZ_SECONDS (default 60; 0 skips the fuzzer).
 # Exits non-zero on the first failure.
 set -euo pipefail
