@@ -12,6 +12,11 @@
 // With LayerConfig::compose off the layer is plain multi-head attention: no projection, and the
 // attention core runs with every compose term off.
 //
+// T is float, double, dcmha::bf16 or dcmha::half. In the half types every tensor the caller sees
+// (x, y, weights, gradients, RoPE tables) and every activation the cache keeps is stored in T;
+// the arithmetic is float on widened values, each result rounded once: the dense products on
+// panels widened one at a time (no float copy of a weight), RMS norm and RoPE per head.
+//
 // Every tensor is a dcmha::TensorView over caller memory in row-major (C) order, in the official
 // DCFormer checkpoint layout: x, y (B, T, E); wqkv ((H + 2Hk)·D, E); wo (E, H·D); dw1 (E, G, 4,
 // K); qkw (G, 4, K, 2R, M) with M = H / G; dd (E, G, 4M); q_norm, k_norm (D); rope cos / sin (at
@@ -26,6 +31,7 @@
 #include <cmath>
 #include <sstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace dcformer {
@@ -121,13 +127,13 @@ RopeTables<T> make_rope_tables(index_t positions, index_t head_dim, double base 
 /// backward's scratch. Its memory is O(B·T·(E + H·D)) plus dcmha's own; never B·H·T·S.
 template <class T>
 struct LayerCache {
-  index_t batch = 0, length = 0;        // B and T of the forward's x
-  LayerConfig config;                   // of the forward
-  std::vector<T> qkv;                   // (B·T, (H + 2Hk)·D): x wqkvᵀ, v read from here
-  std::vector<T> q, k;                  // (B, T, H|Hk, D): after qk-norm and RoPE
-  std::vector<T> q_inv_rms, k_inv_rms;  // (B·T, H|Hk): qk-norm's 1 / rms
-  std::vector<T> o;                     // (B, T, H, D): the attention output
-  std::vector<dcmha::acc_t<T>> lse;     // (B, H, T): softmax statistics
+  index_t batch = 0, length = 0;  // B and T of the forward's x
+  LayerConfig config;             // of the forward
+  std::vector<T> qkv;             // (B·T, (H + 2Hk)·D): x wqkvᵀ, v read from here
+  std::vector<T> q, k;            // (B, T, H|Hk, D): after qk-norm and RoPE
+  std::vector<dcmha::acc_t<T>> q_inv_rms, k_inv_rms;  // (B·T, H|Hk): qk-norm's 1 / rms
+  std::vector<T> o;                                   // (B, T, H, D): the attention output
+  std::vector<dcmha::acc_t<T>> lse;                   // (B, H, T): softmax statistics
   dcmha::DynamicWeightsStorage<T> dw;
   dcmha::ProjectionActivations<T> projection;
   /// dcmha's kernel buffers: set to share one Workspace among the layers a thread runs (one
@@ -156,6 +162,36 @@ template <class T>
 using ConstMatrixMap = Eigen::Map<const RowMatrix<T>>;
 template <class T>
 using MatrixMap = Eigen::Map<RowMatrix<T>>;
+
+/// Whether T is stored narrower than its arithmetic (bf16, half).
+template <class T>
+constexpr bool is_narrow = !std::is_same_v<T, dcmha::acc_t<T>>;
+
+/// Columns of a narrow product computed per panel: 256 × E floats of a weight at a time.
+constexpr index_t kProductPanel = 256;
+
+/// out = a · b (+ addend, of out's shape), a and b Eigen expressions over T. float and double:
+/// Eigen on the caller's buffers. bf16 and half: Eigen's float product on a widened once and b
+/// widened panel by panel, each result rounded once (Eigen's product on narrow scalars would
+/// round after every multiply-add).
+template <class T, class A, class B>
+void product(const A& a, const B& b, MatrixMap<T> out, const T* addend = nullptr) {
+  if constexpr (!is_narrow<T>) {
+    out.noalias() = a * b;
+    if (addend) out += ConstMatrixMap<T>(addend, out.rows(), out.cols());
+  } else {
+    const Eigen::MatrixXf a32 = a.template cast<float>();
+    for (index_t j = 0; j < out.cols(); j += kProductPanel) {
+      const index_t width = std::min(kProductPanel, index_t(out.cols()) - j);
+      Eigen::MatrixXf panel = a32 * b.middleCols(j, width).template cast<float>();
+      if (addend)
+        panel += ConstMatrixMap<T>(addend, out.rows(), out.cols())
+                     .middleCols(j, width)
+                     .template cast<float>();
+      out.middleCols(j, width) = panel.template cast<T>();
+    }
+  }
+}
 
 template <class... Args>
 [[noreturn]] void fail(const Args&... args) {
@@ -275,69 +311,73 @@ TensorView<T, 4> fused_heads(T* base, const LayerConfig& c, index_t B, index_t T
 /// The q heads, k heads or v heads of the fused projection.
 template <class T>
 struct HeadSet {
-  index_t count = 0, column = 0;  // heads; their first column in a qkv row
-  T* out = nullptr;               // (B·T, count, D): normalized and rotated
-  T* inv_rms = nullptr;           // (B·T, count): qk-norm only
-  const T* norm_scale = nullptr;  // D values; null: no qk-norm
+  index_t count = 0, column = 0;       // heads; their first column in a qkv row
+  T* out = nullptr;                    // (B·T, count, D): normalized and rotated
+  dcmha::acc_t<T>* inv_rms = nullptr;  // (B·T, count): qk-norm only
+  const T* norm_scale = nullptr;       // D values; null: no qk-norm
 };
 
-/// Rotates pairs (d, d + D/2) by the angles of one position: v' = R v.
-template <class T>
-void rotate(T* v, const T* cos, const T* sin, index_t half) {
+/// Rotates pairs (d, d + D/2) of v (in the arithmetic type A) by the angles of one position:
+/// v' = R v.
+template <class A, class T>
+void rotate(A* v, const T* cos, const T* sin, index_t half) {
   for (index_t d = 0; d < half; ++d) {
-    const T a = v[d], b = v[d + half];
-    v[d] = a * cos[d] - b * sin[d];
-    v[d + half] = b * cos[d] + a * sin[d];
+    const A a = v[d], b = v[d + half], c = A(cos[d]), s = A(sin[d]);
+    v[d] = a * c - b * s;
+    v[d + half] = b * c + a * s;
   }
 }
 
 /// The gradient through rotate: g <- Rᵀ g.
-template <class T>
-void rotate_backward(T* g, const T* cos, const T* sin, index_t half) {
+template <class A, class T>
+void rotate_backward(A* g, const T* cos, const T* sin, index_t half) {
   for (index_t d = 0; d < half; ++d) {
-    const T a = g[d], b = g[d + half];
-    g[d] = a * cos[d] + b * sin[d];
-    g[d + half] = b * cos[d] - a * sin[d];
+    const A a = g[d], b = g[d + half], c = A(cos[d]), s = A(sin[d]);
+    g[d] = a * c + b * s;
+    g[d + half] = b * c - a * s;
   }
 }
 
-/// out = in / rms(in) * scale; returns 1 / rms(in).
-template <class T>
-T rms_norm(const T* in, const T* scale, index_t D, double eps, T* out) {
+/// out = in / rms(in) * scale, out in the arithmetic type A; returns 1 / rms(in).
+template <class T, class A>
+A rms_norm(const T* in, const T* scale, index_t D, double eps, A* out) {
   double sum_sq = 0.0;
   for (index_t i = 0; i < D; ++i) sum_sq += double(in[i]) * double(in[i]);
-  const T r = static_cast<T>(1.0 / std::sqrt(sum_sq / double(D) + eps));
-  for (index_t i = 0; i < D; ++i) out[i] = in[i] * r * scale[i];
+  const A r = static_cast<A>(1.0 / std::sqrt(sum_sq / double(D) + eps));
+  for (index_t i = 0; i < D; ++i) out[i] = A(in[i]) * r * A(scale[i]);
   return r;
 }
 
-/// g: in d(out), out d(in); dscale accumulates d(scale).
-template <class T>
-void rms_norm_backward(const T* in, const T* scale, T r, index_t D, T* g, double* dscale) {
+/// g: in d(out), out d(in), in the arithmetic type A; dscale accumulates d(scale).
+template <class T, class A>
+void rms_norm_backward(const T* in, const T* scale, A r, index_t D, A* g, double* dscale) {
   double dot = 0.0;  // sum_i d(out)_i · scale_i · in_i
   for (index_t i = 0; i < D; ++i) {
     dscale[i] += double(g[i]) * double(in[i]) * double(r);
     dot += double(g[i]) * double(scale[i]) * double(in[i]);
   }
-  const T coef = static_cast<T>(double(r) * double(r) * double(r) * dot / double(D));
-  for (index_t i = 0; i < D; ++i) g[i] = r * g[i] * scale[i] - coef * in[i];
+  const A coef = static_cast<A>(double(r) * double(r) * double(r) * dot / double(D));
+  for (index_t i = 0; i < D; ++i) g[i] = r * g[i] * A(scale[i]) - coef * A(in[i]);
 }
 
 template <class T>
 void norm_and_rotate(const LayerConfig& c, const Rope<T>& rope, index_t rows, index_t T_,
                      const T* qkv, const HeadSet<T>& hs) {
+  using A = dcmha::acc_t<T>;
   const index_t width = c.qkv_width(), half = c.D / 2;
+  std::vector<A> head(static_cast<std::size_t>(c.D));  // one head, rounded to T once at the end
   for (index_t r = 0; r < rows; ++r) {
     const T* cos = &rope.cos(r % T_, 0);
     const T* sin = &rope.sin(r % T_, 0);
     for (index_t j = 0; j < hs.count; ++j) {
       const T* in = qkv + r * width + hs.column + j * c.D;
-      T* out = hs.out + (r * hs.count + j) * c.D;
       if (hs.norm_scale)
-        hs.inv_rms[r * hs.count + j] = rms_norm(in, hs.norm_scale, c.D, c.norm_eps, out);
+        hs.inv_rms[r * hs.count + j] = rms_norm(in, hs.norm_scale, c.D, c.norm_eps, head.data());
       else
-        std::copy(in, in + c.D, out);
-      rotate(out, cos, sin, half);
+        std::transform(in, in + c.D, head.begin(), [](T v) { return A(v); });
+      rotate(head.data(), cos, sin, half);
+      std::transform(head.begin(), head.end(), hs.out + (r * hs.count + j) * c.D,
+                     [](A v) { return static_cast<T>(v); });
     }
   }
 }
@@ -347,17 +387,21 @@ void norm_and_rotate(const LayerConfig& c, const Rope<T>& rope, index_t rows, in
 template <class T>
 void norm_and_rotate_backward(const LayerConfig& c, const Rope<T>& rope, index_t rows, index_t T_,
                               const T* qkv, const HeadSet<T>& hs, T* dqkv, T* dscale) {
+  using A = dcmha::acc_t<T>;
   const index_t width = c.qkv_width(), half = c.D / 2;
   std::vector<double> acc(static_cast<std::size_t>(c.D), 0.0);
+  std::vector<A> head(static_cast<std::size_t>(c.D));  // one head's gradient, rounded once
   for (index_t r = 0; r < rows; ++r) {
     const T* cos = &rope.cos(r % T_, 0);
     const T* sin = &rope.sin(r % T_, 0);
     for (index_t j = 0; j < hs.count; ++j) {
-      const index_t at = r * width + hs.column + j * c.D;
-      rotate_backward(dqkv + at, cos, sin, half);
+      T* g = dqkv + r * width + hs.column + j * c.D;
+      std::transform(g, g + c.D, head.begin(), [](T v) { return A(v); });
+      rotate_backward(head.data(), cos, sin, half);
       if (hs.norm_scale)
-        rms_norm_backward(qkv + at, hs.norm_scale, hs.inv_rms[r * hs.count + j], c.D, dqkv + at,
-                          acc.data());
+        rms_norm_backward(qkv + (g - dqkv), hs.norm_scale, hs.inv_rms[r * hs.count + j], c.D,
+                          head.data(), acc.data());
+      std::transform(head.begin(), head.end(), g, [](A v) { return static_cast<T>(v); });
     }
   }
   if (dscale)
@@ -415,9 +459,8 @@ void output_backward(const LayerConfig& c, const LayerWeights<T>& w, LayerCache<
   const index_t rows = cache.batch * cache.length, HD = c.H * c.D;
   const ConstMatrixMap<T> dY(dy, rows, c.E), Wo(w.wo.data, c.E, HD), O(cache.o.data(), rows, HD);
   cache.d_o.resize(static_cast<std::size_t>(rows * HD));
-  MatrixMap<T> dO(cache.d_o.data(), rows, HD), dWo(dwo, c.E, HD);
-  dO.noalias() = dY * Wo;
-  dWo.noalias() = dY.transpose() * O;
+  product<T>(dY, Wo, MatrixMap<T>(cache.d_o.data(), rows, HD));
+  product<T>(dY.transpose(), O, MatrixMap<T>(dwo, c.E, HD));
 }
 
 /// The attention core's backward: d(q), d(k), d(v) into their columns of cache.dqkv, and with
@@ -455,16 +498,18 @@ void input_backward(const LayerConfig& c, TensorView<const T, 3> x, const LayerW
   const index_t rows = cache.batch * cache.length, width = c.qkv_width();
   const ConstMatrixMap<T> dQKV(cache.dqkv.data(), rows, width), Wqkv(w.wqkv.data, width, c.E),
       X(x.data, rows, c.E);
-  MatrixMap<T> dX(dx.data, rows, c.E), dW(g.wqkv.data, width, c.E);
-  dX.noalias() = dQKV * Wqkv;
-  dW.noalias() = dQKV.transpose() * X;
-  if (!c.compose) return;
-  cache.dx_projection.resize(static_cast<std::size_t>(rows * c.E));
-  const auto dx_p = dcmha::view<3>(cache.dx_projection.data(), {cache.batch, cache.length, c.E});
-  dcmha::dynamic_weights_backward(projection_config(c), x, projection_parameters(w),
-                                  cache.projection, cache.ddw.views(), dx_p,
-                                  dcmha::DynamicWeightProjectionGrads<T>{g.dw1, g.qkw, g.dd});
-  dX += ConstMatrixMap<T>(cache.dx_projection.data(), rows, c.E);
+  product<T>(dQKV.transpose(), X, MatrixMap<T>(g.wqkv.data, width, c.E));
+  const T* dx_projection = nullptr;
+  if (c.compose) {
+    cache.dx_projection.resize(static_cast<std::size_t>(rows * c.E));
+    dx_projection = cache.dx_projection.data();
+    dcmha::dynamic_weights_backward(
+        projection_config(c), x, projection_parameters(w), cache.projection, cache.ddw.views(),
+        dcmha::view<3>(cache.dx_projection.data(), {cache.batch, cache.length, c.E}),
+        dcmha::DynamicWeightProjectionGrads<T>{g.dw1, g.qkw, g.dd});
+  }
+  // dx = d(qkv) wqkv + the projection's dx, rounded once.
+  product<T>(dQKV, Wqkv, MatrixMap<T>(dx.data, rows, c.E), dx_projection);
 }
 
 /// Everything but the thread count.
@@ -502,9 +547,9 @@ void forward(const LayerConfig& cfg, detail::nondeduced<TensorView<const T, 3>> 
 
   const index_t B = x.shape[0], T_ = x.shape[1], rows = B * T_;
   detail::resize_cache(cfg, B, T_, cache);
-  detail::MatrixMap<T>(cache.qkv.data(), rows, cfg.qkv_width()).noalias() =
-      detail::ConstMatrixMap<T>(x.data, rows, cfg.E) *
-      detail::ConstMatrixMap<T>(w.wqkv.data, cfg.qkv_width(), cfg.E).transpose();
+  detail::product<T>(detail::ConstMatrixMap<T>(x.data, rows, cfg.E),
+                     detail::ConstMatrixMap<T>(w.wqkv.data, cfg.qkv_width(), cfg.E).transpose(),
+                     detail::MatrixMap<T>(cache.qkv.data(), rows, cfg.qkv_width()));
   detail::norm_and_rotate(cfg, rope, rows, T_, cache.qkv.data(), detail::q_heads(cfg, w, cache));
   detail::norm_and_rotate(cfg, rope, rows, T_, cache.qkv.data(), detail::k_heads(cfg, w, cache));
   if (cfg.compose)
@@ -512,9 +557,9 @@ void forward(const LayerConfig& cfg, detail::nondeduced<TensorView<const T, 3>> 
                                    detail::projection_parameters(w), cache.dw.views(),
                                    cache.projection);
   detail::attention_forward(cfg, cache);
-  detail::MatrixMap<T>(y.data, rows, cfg.E).noalias() =
-      detail::ConstMatrixMap<T>(cache.o.data(), rows, cfg.H * cfg.D) *
-      detail::ConstMatrixMap<T>(w.wo.data, cfg.E, cfg.H * cfg.D).transpose();
+  detail::product<T>(detail::ConstMatrixMap<T>(cache.o.data(), rows, cfg.H * cfg.D),
+                     detail::ConstMatrixMap<T>(w.wo.data, cfg.E, cfg.H * cfg.D).transpose(),
+                     detail::MatrixMap<T>(y.data, rows, cfg.E));
 }
 
 /// Gradients of sum(y · dy) with respect to x and every parameter, from the cache of the forward

@@ -3,9 +3,10 @@
 //
 // Each case file (dcmha spec, section 4) gives the inputs and parameters of one DCFormer attention
 // layer, its output y, an upstream gradient dy and the gradients of sum(y · dy) computed by the
-// official code in float64. The layer runs in float64 and float32 (inputs rounded); the error of
-// each tensor is max|ours - ref| / max(1, max|ref|), within 1e-9 (float64) and 2e-4 (float32).
-// One line per file; --verbose adds every tensor's error. Exit status 0 when everything passes,
+// official code in float64. The layer runs in float64, float32, bf16 and fp16 (inputs rounded to
+// each); the error of each tensor is max|ours - ref| / max(1, max|ref|), within the tolerances of
+// kPrecisions, and the half-precision runs are also held against the float32 run. One line per
+// precision and file; --verbose adds every tensor's error. Exit status 0 when everything passes,
 // 1 on any failure or malformed file, 2 on bad usage.
 #include "dcformer_layer.hpp"
 
@@ -114,6 +115,9 @@ void check_case_tensors(const LayerCase& lc) {
   if (!any_grad) cf.fail("no grad_* tensor to compare against");
 }
 
+/// y and the gradients, by name, widened to double.
+using Outputs = std::map<std::string, std::vector<double>>;
+
 struct Result {
   std::string worst = "-";
   double worst_error = 0.0;
@@ -130,8 +134,8 @@ double relative_error(const std::vector<double>& ref, const std::vector<double>&
   return diff / scale;
 }
 
-/// The case's tensors in precision T (rounded from float64), gradients zero.
-template <class T>
+/// The case's tensors in precision T (rounded from float64 to Input, then to T), gradients zero.
+template <class T, class Input = T>
 struct Buffers {
   std::map<std::string, std::vector<T>> t;
 
@@ -139,7 +143,7 @@ struct Buffers {
     for (const auto& [name, dims] : lc.dims) {
       const CaseTensor* ct = lc.file->find(name);
       if (ct && name.rfind("grad_", 0) != 0 && name != "y")
-        t[name].assign(ct->values.begin(), ct->values.end());
+        for (double v : ct->values) t[name].push_back(static_cast<T>(static_cast<Input>(v)));
       else
         t[name].assign(static_cast<std::size_t>(count(dims)), T(0));
     }
@@ -158,8 +162,8 @@ struct Buffers {
   }
 };
 
-template <class T>
-dcformer::LayerWeights<T> case_weights(const LayerCase& lc, Buffers<T>& b) {
+template <class T, class Input>
+dcformer::LayerWeights<T> case_weights(const LayerCase& lc, Buffers<T, Input>& b) {
   dcformer::LayerWeights<T> w;
   w.wqkv = b.template view<2, const T>(lc, "wqkv");
   w.wo = b.template view<2, const T>(lc, "wo");
@@ -171,8 +175,8 @@ dcformer::LayerWeights<T> case_weights(const LayerCase& lc, Buffers<T>& b) {
   return w;
 }
 
-template <class T>
-dcformer::LayerGrads<T> case_grads(const LayerCase& lc, Buffers<T>& b) {
+template <class T, class Input>
+dcformer::LayerGrads<T> case_grads(const LayerCase& lc, Buffers<T, Input>& b) {
   dcformer::LayerGrads<T> g;
   g.wqkv = b.template view<2>(lc, "grad_wqkv");
   g.wo = b.template view<2>(lc, "grad_wo");
@@ -184,10 +188,10 @@ dcformer::LayerGrads<T> case_grads(const LayerCase& lc, Buffers<T>& b) {
   return g;
 }
 
-/// Runs the layer forward and backward in precision T and compares with the case.
-template <class T>
-Result run_layer(const LayerCase& lc) {
-  Buffers<T> b(lc);
+/// Runs the layer forward and backward in precision T on inputs rounded to Input.
+template <class T, class Input = T>
+Outputs run_layer(const LayerCase& lc) {
+  Buffers<T, Input> b(lc);
   const dcformer::Rope<T> rope{b.template view<2, const T>(lc, "rope_cos"),
                                b.template view<2, const T>(lc, "rope_sin")};
   const dcformer::LayerWeights<T> w = case_weights(lc, b);
@@ -196,25 +200,88 @@ Result run_layer(const LayerCase& lc) {
   dcformer::forward(lc.cfg, x, rope, w, b.template view<3>(lc, "y"), cache);
   dcformer::backward(lc.cfg, x, rope, w, cache, b.template view<3, const T>(lc, "dy"),
                      b.template view<3>(lc, "grad_x"), case_grads(lc, b));
+  Outputs out;
+  for (const auto& [name, buf] : b.t)
+    if (lc.file->find(name) && (name == "y" || name.rfind("grad_", 0) == 0))
+      for (const T& v : buf) out[name].push_back(static_cast<double>(v));
+  return out;
+}
+
+/// The case's own y and gradients.
+Outputs case_outputs(const LayerCase& lc) {
+  Outputs out;
+  for (const CaseTensor& t : lc.file->tensors)
+    if (t.name == "y" || t.name.rfind("grad_", 0) == 0) out[t.name] = t.values;
+  return out;
+}
+
+/// Each tensor's error of `got` against `want`, and the worst.
+Result compare(const Outputs& want, const Outputs& got) {
   Result r;
-  for (const auto& [name, buf] : b.t) {
-    const CaseTensor* ref = lc.file->find(name);
-    if (!ref || (name != "y" && name.rfind("grad_", 0) != 0)) continue;
-    const double e = relative_error(ref->values, std::vector<double>(buf.begin(), buf.end()));
+  for (const auto& [name, values] : want) {
+    const double e = relative_error(values, got.at(name));
     r.errors.push_back({name, e});
     if (!(e <= r.worst_error)) r.worst = name, r.worst_error = e;
   }
   return r;
 }
 
+/// A precision the layer runs in, its tolerance against the case and, for bf16 and fp16, the
+/// float32 layer on the same rounded inputs with the tolerance against it.
+struct Precision {
+  const char* name;
+  double tolerance;
+  Outputs (*run)(const LayerCase&);
+  Outputs (*float_run)(const LayerCase&);
+  double tolerance_against_float;
+};
+
+/// bf16 and fp16: every tensor stored in the type, float arithmetic, each result rounded once
+/// (dcformer_layer.hpp). Against the case their error is mostly the inputs' rounding (the float32
+/// layer on the same rounded inputs errs about as much); against that float32 run it is what the
+/// layer's own roundings add. Tolerances are 2-4x the errors measured on the cases.
+const Precision kPrecisions[] = {
+    {"float64", 1e-9, run_layer<double>, nullptr, 0.0},
+    {"float32", 2e-4, run_layer<float>, nullptr, 0.0},
+    {"bf16", 1e-1, run_layer<dcmha::bf16>, run_layer<float, dcmha::bf16>, 5e-2},
+    {"fp16", 2e-2, run_layer<dcmha::half>, run_layer<float, dcmha::half>, 1e-2},
+};
+
 struct Options {
   bool verbose = false, self_test = false;
   std::vector<std::string> files;
 };
 
-/// Runs one file; prints its line. Returns true when it passes.
+/// Runs one precision on a case; prints its line. Returns true when it passes.
+bool run_precision(const std::string& path, const LayerCase& lc, const Precision& p,
+                   const Options& opt) {
+  const Outputs got = p.run(lc);
+  const Result r = compare(case_outputs(lc), got);
+  bool ok = r.worst_error <= p.tolerance;
+  std::string against_float;
+  Result f;
+  if (p.float_run) {
+    f = compare(p.float_run(lc), got);
+    ok = ok && f.worst_error <= p.tolerance_against_float;
+    char line[160];
+    std::snprintf(line, sizeof line,
+                  "; against float32 on the same inputs: worst %s %.3g (tol %.0e)", f.worst.c_str(),
+                  f.worst_error, p.tolerance_against_float);
+    against_float = line;
+  }
+  std::printf("%s %s: %s worst %s %.3g (tol %.0e)%s\n", ok ? "PASS" : "FAIL", path.c_str(), p.name,
+              r.worst.c_str(), r.worst_error, p.tolerance, against_float.c_str());
+  for (std::size_t i = 0; opt.verbose && i < r.errors.size(); ++i) {
+    std::printf("  %-14s %.3g", r.errors[i].first.c_str(), r.errors[i].second);
+    if (!f.errors.empty())
+      std::printf("  against float32 on the same inputs %.3g", f.errors[i].second);
+    std::printf("\n");
+  }
+  return ok;
+}
+
+/// Runs one file in every precision. Returns true when all pass.
 bool run_file(const std::string& path, const Options& opt) {
-  constexpr double kTol64 = 1e-9, kTol32 = 2e-4;
   try {
     const CaseFile cf = dcformer::conformance::read_case_file(path);
     const LayerCase lc = layer_case(cf);
@@ -222,17 +289,10 @@ bool run_file(const std::string& path, const Options& opt) {
     std::string unused;
     for (const CaseTensor& t : cf.tensors)
       if (!lc.dims.count(t.name)) unused += (unused.empty() ? "" : ",") + t.name;
-    const Result r64 = run_layer<double>(lc), r32 = run_layer<float>(lc);
-    const bool ok64 = r64.worst_error <= kTol64, ok32 = r32.worst_error <= kTol32;
-    std::printf(
-        "%s %s: float64 %s worst %s %.3g (tol %.0e), float32 %s worst %s %.3g (tol %.0e)%s%s\n",
-        ok64 && ok32 ? "PASS" : "FAIL", path.c_str(), ok64 ? "ok" : "FAIL", r64.worst.c_str(),
-        r64.worst_error, kTol64, ok32 ? "ok" : "FAIL", r32.worst.c_str(), r32.worst_error, kTol32,
-        unused.empty() ? "" : "; unused: ", unused.c_str());
-    for (std::size_t i = 0; opt.verbose && i < r64.errors.size(); ++i)
-      std::printf("  %-14s float64 %.3g  float32 %.3g\n", r64.errors[i].first.c_str(),
-                  r64.errors[i].second, r32.errors[i].second);
-    return ok64 && ok32;
+    if (!unused.empty()) std::printf("%s: unused tensors: %s\n", path.c_str(), unused.c_str());
+    bool ok = true;
+    for (const Precision& p : kPrecisions) ok = run_precision(path, lc, p, opt) && ok;
+    return ok;
   } catch (const CaseError& e) {
     std::printf("FAIL %s: malformed case: %s\n", path.c_str(), e.what());
   } catch (const std::exception& e) {
@@ -246,7 +306,8 @@ int usage(const char* argv0) {
                "usage: %s [--verbose] FILE...\n"
                "       %s --self-test\n"
                "Checks the DCFormer attention layer against `kind layer` conformance files\n"
-               "(float64 within 1e-9, float32 within 2e-4, relative to max(1, max|ref|)), or\n"
+               "(float64 within 1e-9, float32 2e-4, bf16 1e-1, fp16 2e-2, relative to\n"
+               "max(1, max|ref|)), or\n"
                "its backward against central finite differences (--self-test).\n",
                argv0, argv0);
   return 2;

@@ -2,7 +2,8 @@
 // Self-checks of the DCFormer layer that need no case file: its backward against central finite
 // differences in double (DCMHA with G > 1 and GQA, MHA, sliding windows, qk-norm on and off), MHA
 // mode against DCMHA with a zero projection, the window's effect on the output rows, the RoPE
-// tables' relative-position property, and the rejection of bad arguments.
+// tables' relative-position property, the bf16 / fp16 dense products (one rounding per result,
+// across panels), and the rejection of bad arguments.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -265,6 +266,54 @@ inline bool check_rope() {
          report(moved >= 1e-3, "RoPE tables: a distance changes the score", moved, ">= 1e-3");
 }
 
+/// The layer's dense products in T (bf16, half) against double on the same values, in the three
+/// forms the layer uses (a·bᵀ, a·b + addend, aᵀ·b), each output wider than a panel: every result
+/// within one rounding of T (unit roundoff u) plus float accumulation.
+template <class T>
+bool check_narrow_product(const char* type_name, double u) {
+  const index_t rows = 7, inner = 40, cols = 2 * detail::kProductPanel + 37;
+  std::mt19937 rng(17);
+  auto narrow = [&](index_t n) {
+    std::vector<T> v;
+    for (double x : randn(static_cast<std::size_t>(n), 1.0, 0.0, rng))
+      v.push_back(static_cast<T>(x));
+    return v;
+  };
+  const std::vector<T> a = narrow(rows * inner), b = narrow(cols * inner),
+                       addend = narrow(rows * cols), at = narrow(inner * rows);
+  using Map = detail::ConstMatrixMap<T>;
+  std::vector<T> nt(addend.size()), nn(addend.size()), tn(addend.size());
+  detail::product<T>(Map(a.data(), rows, inner), Map(b.data(), cols, inner).transpose(),
+                     detail::MatrixMap<T>(nt.data(), rows, cols));
+  detail::product<T>(Map(a.data(), rows, inner), Map(b.data(), inner, cols),
+                     detail::MatrixMap<T>(nn.data(), rows, cols), addend.data());
+  detail::product<T>(Map(at.data(), inner, rows).transpose(), Map(b.data(), inner, cols),
+                     detail::MatrixMap<T>(tn.data(), rows, cols));
+  double worst = 0.0;  // |got - exact| / bound
+  auto check = [&](const std::vector<T>& got, auto a_at, auto b_at, bool add) {
+    for (index_t i = 0; i < rows; ++i)
+      for (index_t j = 0; j < cols; ++j) {
+        double exact = add ? double(addend[i * cols + j]) : 0.0, magnitude = std::fabs(exact);
+        for (index_t k = 0; k < inner; ++k) {
+          exact += a_at(i, k) * b_at(k, j);
+          magnitude += std::fabs(a_at(i, k) * b_at(k, j));
+        }
+        const double bound = u * std::fabs(exact) + 1e-6 * magnitude;
+        worst = std::max(worst, std::fabs(double(got[i * cols + j]) - exact) / bound);
+      }
+  };
+  auto a_rows = [&](index_t i, index_t k) { return double(a[i * inner + k]); };
+  auto at_cols = [&](index_t i, index_t k) { return double(at[k * rows + i]); };
+  auto b_t = [&](index_t k, index_t j) { return double(b[j * inner + k]); };
+  auto b_rows = [&](index_t k, index_t j) { return double(b[k * cols + j]); };
+  check(nt, a_rows, b_t, false);
+  check(nn, a_rows, b_rows, true);
+  check(tn, at_cols, b_rows, false);
+  const std::string what = std::string("dense products in ") + type_name +
+                           " (a bᵀ, a b + addend, aᵀ b; 3 panels): error / one rounding's bound";
+  return report(worst <= 1.0, what.c_str(), worst, "<= 1");
+}
+
 /// f must throw dcmha::Error whose message contains `expected`.
 inline bool expect_error(const char* what, const std::function<void()>& f,
                          const std::string& expected) {
@@ -348,6 +397,8 @@ inline bool run() {
   ok &= check_mha_switch(base);
   ok &= check_window(dcmha_local);
   ok &= check_rope();
+  ok &= check_narrow_product<dcmha::bf16>("bf16", std::ldexp(1.0, -8));
+  ok &= check_narrow_product<dcmha::half>("fp16", std::ldexp(1.0, -11));
   ok &= check_errors(dcmha_g2);
   std::printf("self-test: %s\n", ok ? "all checks passed" : "FAILED");
   return ok;

@@ -224,7 +224,8 @@ void LayerWeightStorage<T>::allocate(const LayerConfig& cfg, bool static_w) {
   }
 }
 
-/// Layer `layer`'s attention parameters from an open file, converted to T (float or double).
+/// Layer `layer`'s attention parameters from an open file, converted to T (float, double,
+/// dcmha::bf16 or dcmha::half: a BF16 checkpoint loads into bf16 storage as it is).
 template <class T>
 LayerWeightStorage<T> load_layer_weights(const safetensors::File& file, const LayerConfig& cfg,
                                          index_t layer, const LoadOptions& options = {}) {

@@ -10,8 +10,8 @@
 // it, before any tensor data is read: every entry is well-formed, lies inside the data buffer,
 // has the byte size its shape and dtype imply (for every dtype whose element size is known), and
 // no two tensors overlap. Gaps between tensors are allowed. Reading converts BF16, F16, F32 or
-// F64 to float or double. Every failure throws safetensors::Error naming the file, the tensor
-// and what was expected.
+// F64 to float, double, Eigen::bfloat16 or Eigen::half. Every failure throws safetensors::Error
+// naming the file, the tensor and what was expected.
 //
 // The mapping is shared with the file: a file truncated by another process while it is open makes
 // reading its tail fault (SIGBUS), as with any memory-mapped file.
@@ -415,7 +415,8 @@ class File {
   const unsigned char* bytes(const TensorInfo& t) const { return data_ + t.begin; }
 
   /// Converts a tensor of this file to T into out[0, numel): its dtype must be BF16, F16, F32 or
-  /// F64 (exact, except F64 to float, which rounds).
+  /// F64. Exact wherever T holds every value of the dtype (BF16 and F16 to float, double and their
+  /// own type); otherwise rounded to nearest even (F64 to a half type through float).
   template <class T>
   void read(const TensorInfo& t, T* out) const {
     const DType dtype = parse_dtype(t.dtype);

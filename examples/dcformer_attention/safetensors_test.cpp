@@ -3,11 +3,14 @@
 //                                                 DTYPE BF16, F16 or F32; default BF16)
 //
 // The checks: exact BF16 / F16 conversion (every bit pattern), round trips of a layer's weights
-// through F32, BF16 and F16 files into float and double, the layer's forward on loaded weights
-// against the forward on the same weights in memory, the accepted variants of the official
+// through F32, BF16 and F16 files into float and double (and BF16 into bf16, F16 into half),
+// the layer's forward on loaded weights against the forward on the same weights in memory, the
+// bf16 and fp16 layers on their loaded weights against the float layer, the accepted variants
+// of the official
 // layout (static W, merged copies, merged axes, split wq / wk / wv, MHA, a name prefix,
 // unaligned data), and one refusal per kind of corrupt or mismatched file, each checked for the
 // words of its message. One line per check; the exit status is non-zero when any fails.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -104,8 +107,9 @@ std::string difference(const LayerWeightStorage<T>& got, const LayerWeightStorag
              std::to_string(b.size());
     for (std::size_t i = 0; i < a.size(); ++i)
       if (a[i] != b[i])
-        return g[m].first + "[" + std::to_string(i) + "] = " + std::to_string(a[i]) +
-               ", expected " + std::to_string(b[i]);
+        return g[m].first + "[" + std::to_string(i) +
+               "] = " + std::to_string(static_cast<double>(a[i])) + ", expected " +
+               std::to_string(static_cast<double>(b[i]));
   }
   return "";
 }
@@ -286,17 +290,27 @@ void check_special_values_in_file(Checks& checks, const Env& env) {
   const safetensors::File file(env.write("special.safetensors", w.bytes()));
   std::vector<float> f(patterns.size());
   std::vector<double> d(patterns.size());
+  std::vector<dcmha::half> h(patterns.size());
+  std::vector<dcmha::bf16> b(patterns.size());
   int bad = 0;
   for (const char* name : {"f16", "bf16"}) {
+    const bool is_f16 = name[0] == 'f';
     file.read(*file.find(name), f.data());
     file.read(*file.find(name), d.data());
+    if (is_f16)
+      file.read(*file.find(name), h.data());
+    else
+      file.read(*file.find(name), b.data());
     for (std::size_t i = 0; i < patterns.size(); ++i) {
-      const double want = name[0] == 'f' ? f16_reference(patterns[i]) : bf16_reference(patterns[i]);
-      bad += !same_value(f[i], want) || !same_value(d[i], want);
+      const double want = is_f16 ? f16_reference(patterns[i]) : bf16_reference(patterns[i]);
+      const double own = is_f16 ? static_cast<double>(h[i]) : static_cast<double>(b[i]);
+      bad += !same_value(f[i], want) || !same_value(d[i], want) || !same_value(own, want);
     }
   }
-  checks.report("special values (subnormal, -0, max, inf, NaN) read from a file", bad == 0,
-                std::to_string(bad) + " wrong");
+  checks.report(
+      "special values (subnormal, -0, max, inf, NaN) read from a file into float, "
+      "double and the file's own half type",
+      bad == 0, std::to_string(bad) + " wrong");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -325,6 +339,30 @@ void check_forward(Checks& checks, const Env& env, DType dtype, const char* type
   checks.report(std::string("forward on loaded ") + safetensors::dtype_name(dtype) +
                     " weights equals forward on them in memory (" + type_name + ", bitwise)",
                 a == b);
+}
+
+/// The layer in a half type T on weights loaded straight into T against the float layer on the
+/// same file: max|y_T - y_float| / max(1, max|y_float|) within `tolerance`.
+template <class T>
+void check_half_against_float(Checks& checks, const Env& env, DType dtype, const char* type_name,
+                              double tolerance) {
+  const std::string path =
+      env.path(std::string("layers_") + safetensors::dtype_name(dtype) + ".safetensors");
+  const std::vector<T> narrow =
+      layer_output(env.cfg, dcformer::load_layer_weights<T>(path, env.cfg, 1).views());
+  const std::vector<float> wide =
+      layer_output(env.cfg, dcformer::load_layer_weights<float>(path, env.cfg, 1).views());
+  double diff = 0.0, scale = 1.0;
+  for (std::size_t i = 0; i < wide.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(narrow[i]) - double(wide[i]));
+    diff = std::isnan(d) ? INFINITY : std::max(diff, d);
+    scale = std::max(scale, std::fabs(double(wide[i])));
+  }
+  char detail[96];
+  std::snprintf(detail, sizeof detail, "error %.3g, tolerance %.0e", diff / scale, tolerance);
+  checks.report(std::string("forward in ") + type_name + " on loaded " +
+                    safetensors::dtype_name(dtype) + " weights against the float forward",
+                diff / scale <= tolerance, detail);
 }
 
 void check_static_w(Checks& checks, const Env& env) {
@@ -618,9 +656,15 @@ void run_checks(Checks& checks, const Env& env) {
     check_round_trip<float>(checks, env, d, "float");
     check_round_trip<double>(checks, env, d, "double");
   }
+  check_round_trip<dcmha::bf16>(checks, env, DType::bf16, "bf16");
+  check_round_trip<dcmha::half>(checks, env, DType::f16, "half");
   check_forward<float>(checks, env, DType::f32, "float");
   check_forward<float>(checks, env, DType::bf16, "float");
   check_forward<double>(checks, env, DType::f16, "double");
+  check_forward<dcmha::bf16>(checks, env, DType::bf16, "bf16");
+  check_forward<dcmha::half>(checks, env, DType::f16, "half");
+  check_half_against_float<dcmha::bf16>(checks, env, DType::bf16, "bf16", 2e-2);
+  check_half_against_float<dcmha::half>(checks, env, DType::f16, "half", 3e-3);
   check_static_w(checks, env);
   check_merged_copies(checks, env);
   check_merged_axes(checks, env);
