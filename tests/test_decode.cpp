@@ -561,6 +561,18 @@ void check_decode_is_rounded_float(const ProblemSpec& spec, const Schedule& sch)
                             << h[first];
 }
 
+/// Head dims of several vectors and a tail, and tens of keys: the kernels' vector paths (the
+/// eight-key blocks of narrow few-row scores among them) set the order of the sums.
+ProblemSpec wide_decode_spec(int64_t window) {
+  ProblemSpec s = decode_spec(window);
+  s.B = 2;
+  s.T = s.S = 40;
+  s.D = 72;
+  s.Dv = 40;
+  s.pre = SideSpec::all();
+  return s;
+}
+
 template <class Storage>
 void check_decode_storage() {
   Schedule token_by_token;
@@ -571,6 +583,10 @@ void check_decode_storage() {
       check_decode_is_rounded_float<Storage>(s, longest_in_the_middle());
       check_decode_is_rounded_float<Storage>(s, token_by_token);
     }
+  Schedule long_decode;
+  long_decode.prefill_all = 20;
+  for (int64_t window : {0, 12})
+    check_decode_is_rounded_float<Storage>(wide_decode_spec(window), long_decode);
 }
 
 TEST(DecodeStorage, Bf16IsTheRoundedFloatDecode) { check_decode_storage<dcmha::bf16>(); }

@@ -11,6 +11,7 @@
 // query rows then share.
 // Without vector extensions gemm_nn falls back to plain loops (correct, slow).
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 
 #include "../tensor.hpp"
@@ -24,12 +25,51 @@
 
 namespace dcmha::cpu {
 
+#ifdef DCMHA_HAS_VECTOR_EXTENSIONS
+/// One vector of A read from S storage: a plain load where S is A, widened in registers where S
+/// is bf16 or fp16, so that a product reads narrow storage in place (half the bytes) with the
+/// arithmetic of the float product on the same values.
+template <class A, class S>
+inline typename Simd<A>::V vload_widened(const S* p) {
+  using V = typename Simd<A>::V;
+  constexpr int L = Simd<A>::L;
+  if constexpr (std::is_same_v<S, A>) {
+    return vload(p);
+  } else {
+    V v;
+#if defined(__AVX512F__)
+    if constexpr (L == 16 && kVectorStorage<S> && std::is_same_v<A, float>) {
+      const __m512 w = load16_widened(p);
+      std::memcpy(&v, &w, sizeof v);
+      return v;
+    }
+#endif
+#if defined(__AVX__)
+    if constexpr ((L == 8 || L == 16) && kVectorStorage<S> && std::is_same_v<A, float>) {
+      for (int h = 0; h < L; h += 8) {
+        const __m256 w = load8_widened(p + h);
+        std::memcpy(reinterpret_cast<char*>(&v) + h * sizeof(float), &w, sizeof w);
+      }
+      return v;
+    }
+#endif
+    for (int l = 0; l < L; ++l) v[l] = A(p[l]);
+    return v;
+  }
+}
+#endif
+
+/// How far ahead (in rows) products for few rows ask for narrow rows they read in place: their
+/// stream, at half the bytes per multiply-add, outruns the hardware prefetchers.
+constexpr index_t kNarrowRowsAhead = 16;
+
 namespace detail_gemm {
 
 #ifdef DCMHA_HAS_VECTOR_EXTENSIONS
-/// Column blocks of C (+)= A B, RB rows x CB vectors; A(i, k) = a[i * ars + k * acs].
-template <class A, int RB, int CB>
-inline void nn_block(index_t depth, const A* a, index_t ars, index_t acs, const A* b, index_t ldb,
+/// Column blocks of C (+)= A B, RB rows x CB vectors; A(i, k) = a[i * ars + k * acs]. B may be
+/// narrower storage S, widened as it is loaded.
+template <class A, int RB, int CB, class S = A>
+inline void nn_block(index_t depth, const A* a, index_t ars, index_t acs, const S* b, index_t ldb,
                      A* c, index_t ldc, bool accumulate) {
   using V = typename Simd<A>::V;
   constexpr int L = Simd<A>::L;
@@ -37,8 +77,13 @@ inline void nn_block(index_t depth, const A* a, index_t ars, index_t acs, const 
   for (int r = 0; r < RB; ++r)
     for (int j = 0; j < CB; ++j) acc[r][j] = accumulate ? vload(c + r * ldc + j * L) : V{};
   for (index_t k = 0; k < depth; ++k) {
+    // Narrow B is read in place only for few rows (decoding a bf16 / fp16 cache): ask for its
+    // rows ahead, as gemm_nt_few_rows does for the keys.
+    if constexpr (!std::is_same_v<S, A>)
+      if (k + kNarrowRowsAhead < depth)
+        prefetch_bytes(b + (k + kNarrowRowsAhead) * ldb, CB * L * index_t(sizeof(S)));
     V bv[CB];
-    for (int j = 0; j < CB; ++j) bv[j] = vload(b + k * ldb + j * L);
+    for (int j = 0; j < CB; ++j) bv[j] = vload_widened<A>(b + k * ldb + j * L);
     for (int r = 0; r < RB; ++r) {
       // a broadcast (x - 0 is exact, so no add is emitted)
       const V av = a[r * ars + k * acs] - V{};
@@ -82,32 +127,32 @@ inline void with_row_count(index_t rows, F&& f) {
 }
 
 /// C = A B on rows [0, rows) over columns [j, j + CB * L): row blocks of kNnRows, then the rest.
-template <class A, int CB>
-inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index_t acs, const A* b,
+template <class A, int CB, class S>
+inline void nn_strip(index_t rows, index_t depth, const A* a, index_t ars, index_t acs, const S* b,
                      index_t ldb, A* c, index_t ldc, SpreadPrefetch& ahead) {
   for (index_t i = 0; i < rows; i += kNnRows, ahead.step())
     with_row_count(std::min<index_t>(kNnRows, rows - i), [&](auto rb) {
-      nn_block<A, decltype(rb)::value, CB>(depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc,
-                                           false);
+      nn_block<A, decltype(rb)::value, CB, S>(depth, a + i * ars, ars, acs, b, ldb, c + i * ldc,
+                                              ldc, false);
     });
 }
 
 /// Every vector column of RB rows of C += A B; returns the first column left for scalar code.
 /// `c_next`: the next row block's first C row (next_count rows, null for none), whose columns
 /// are asked for strip by strip as this block reaches them.
-template <class A, int RB>
+template <class A, int RB, class S>
 inline index_t nn_row_block(index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
-                            const A* b, index_t ldb, A* c, index_t ldc, const A* c_next,
+                            const S* b, index_t ldb, A* c, index_t ldc, const A* c_next,
                             index_t next_count) {
   constexpr int L = Simd<A>::L;
   index_t j = 0;
   for (; j + kNnCols * L <= ncol; j += kNnCols * L) {
     if (c_next) prefetch_rows(c_next + j, next_count, ldc, kNnCols * L * index_t(sizeof(A)));
-    nn_block<A, RB, kNnCols>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
+    nn_block<A, RB, kNnCols, S>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
   }
   for (; j + L <= ncol; j += L) {
     if (c_next) prefetch_rows(c_next + j, next_count, ldc, L * index_t(sizeof(A)));
-    nn_block<A, RB, 1>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
+    nn_block<A, RB, 1, S>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
   }
   if (c_next && j < ncol)
     prefetch_rows(c_next + j, next_count, ldc, (ncol - j) * index_t(sizeof(A)));
@@ -132,23 +177,10 @@ void pack_transposed(index_t n, index_t depth, const S* b, index_t ldb, A alpha,
       index_t d = 0;
       for (; d + 8 <= depth; d += 8) {
         const __m256 s = _mm256_set1_ps(alpha);
-        __m256 r[8], t[8];
+        __m256 r[8], col[8];
         for (int i = 0; i < 8; ++i) r[i] = _mm256_mul_ps(load8_widened(b + (j + i) * ldb + d), s);
-        for (int i = 0; i < 4; ++i) {
-          t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-          t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-        }
-        for (int i = 0; i < 2; ++i)
-          for (int h = 0; h < 2; ++h) {
-            r[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0x44);
-            r[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0xEE);
-          }
-        // r[0..3]: columns 0,1,4,5 / 2,3,6,7 interleaved by 128-bit lane; recombine the lanes.
-        for (int q = 0; q < 4; ++q) {
-          _mm256_storeu_ps(bt + (d + q) * ldt + j, _mm256_permute2f128_ps(r[q], r[4 + q], 0x20));
-          _mm256_storeu_ps(bt + (d + 4 + q) * ldt + j,
-                           _mm256_permute2f128_ps(r[q], r[4 + q], 0x31));
-        }
+        transpose8x8(r, col);
+        for (int q = 0; q < 8; ++q) _mm256_storeu_ps(bt + (d + q) * ldt + j, col[q]);
       }
       for (; d < depth; ++d)
         for (index_t i = 0; i < 8; ++i) bt[d * ldt + j + i] = alpha * A(b[(j + i) * ldb + d]);
@@ -177,16 +209,65 @@ void pack_rows(index_t n, index_t cols, const S* src, index_t lds, A* dst, index
   }
 }
 
+/// Narrow keys for few rows go eight at a time through few_rows_key_block: read at half the
+/// bytes per multiply-add, one key at a time they leave the loop bound by its dependent lane
+/// sums and outrun the hardware prefetchers. Float keys stay one at a time (their stream is
+/// memory-bound, and eight rows read side by side measured slower).
+template <class A, class S>
+inline constexpr bool kFewRowsKeyBlocks =
+#if defined(__AVX__) && defined(DCMHA_HAS_VECTOR_EXTENSIONS)
+    std::is_same_v<A, float> && !std::is_same_v<S, float> && kVectorStorage<S>;
+#else
+    false;
+#endif
+
+#if defined(__AVX__) && defined(DCMHA_HAS_VECTOR_EXTENSIONS)
+/// Scores of every row against eight keys b[0..7]: the per-key loop's sums (same multiply-adds,
+/// same lane order, bitwise the same results), keys asked for kNarrowRowsAhead keys ahead.
+template <class S>
+inline void few_rows_key_block(index_t rows, index_t keys_left, index_t depth, const float* a,
+                               index_t lda, const S* b, index_t ldb, float* c, index_t ldc,
+                               float alpha) {
+  using V = typename Simd<float>::V;
+  constexpr int L = Simd<float>::L;
+  if (keys_left > kNarrowRowsAhead + 8)
+    prefetch_rows(b + kNarrowRowsAhead * ldb, 8, ldb, depth * index_t(sizeof(S)));
+  for (index_t i = 0; i < rows; ++i) {
+    const float* ai = a + i * lda;
+    V acc[8] = {};
+    index_t d = 0;
+    for (; d + L <= depth; d += L) {
+      const V av = vload(ai + d);
+      for (int k = 0; k < 8; ++k) acc[k] += av * vload_widened<float>(b + k * ldb + d);
+    }
+    float sums[8];
+    _mm256_storeu_ps(sums, ordered_lane_sums8(acc));
+    for (int k = 0; k < 8; ++k) {
+      for (index_t e = d; e < depth; ++e)
+        sums[k] = multiply_add(ai[e], float(b[k * ldb + e]), sums[k]);
+      c[i * ldc + k] = alpha * sums[k];
+    }
+  }
+}
+#endif
+
 /// C[i][j] = alpha * sum_d A[i][d] B[j][d] as dot products along the contiguous depth, for a
 /// few rows only (decoding: one new token per sequence). Packing a key tile for so few rows would
-/// read K three times instead of once; here every key is read once per block of 4 rows.
-template <class A>
-void gemm_nt_few_rows(index_t rows, index_t n, index_t depth, const A* a, index_t lda, const A* b,
+/// read K three times instead of once; here every key is read from memory once, in place,
+/// widened in registers where it is narrower storage S.
+template <class A, class S>
+void gemm_nt_few_rows(index_t rows, index_t n, index_t depth, const A* a, index_t lda, const S* b,
                       index_t ldb, A* c, index_t ldc, A alpha) {
+  index_t j0 = 0;
+#if defined(__AVX__) && defined(DCMHA_HAS_VECTOR_EXTENSIONS)
+  if constexpr (kFewRowsKeyBlocks<A, S>)
+    for (; j0 + 8 <= n; j0 += 8)
+      few_rows_key_block(rows, n - j0, depth, a, lda, b + j0 * ldb, ldb, c + j0, ldc, alpha);
+#endif
   for (index_t i0 = 0; i0 < rows; i0 += 4) {
     const index_t nr = std::min<index_t>(4, rows - i0);
-    for (index_t j = 0; j < n; ++j) {
-      const A* bj = b + j * ldb;
+    for (index_t j = j0; j < n; ++j) {
+      const S* bj = b + j * ldb;
       A s[4] = {};
       index_t d = 0;
 #ifdef DCMHA_HAS_VECTOR_EXTENSIONS
@@ -194,14 +275,15 @@ void gemm_nt_few_rows(index_t rows, index_t n, index_t depth, const A* a, index_
       constexpr int L = Simd<A>::L;
       V acc[4] = {};
       for (; d + L <= depth; d += L) {
-        const V bv = vload(bj + d);
+        const V bv = vload_widened<A>(bj + d);
         for (index_t r = 0; r < nr; ++r) acc[r] += vload(a + (i0 + r) * lda + d) * bv;
       }
       for (index_t r = 0; r < nr; ++r)
         for (int l = 0; l < L; ++l) s[r] += acc[r][l];
 #endif
       for (index_t r = 0; r < nr; ++r) {
-        for (index_t e = d; e < depth; ++e) s[r] += a[(i0 + r) * lda + e] * bj[e];
+        for (index_t e = d; e < depth; ++e)
+          s[r] = multiply_add(a[(i0 + r) * lda + e], A(bj[e]), s[r]);
         c[(i0 + r) * ldc + j] = alpha * s[r];
       }
     }
@@ -211,18 +293,18 @@ void gemm_nt_few_rows(index_t rows, index_t n, index_t depth, const A* a, index_
 /// Below this many rows gemm_abt / gemm_ab read K and V in place instead of packing key tiles
 /// that too few rows would share.
 constexpr index_t kPackMinRows = 8;
-/// Narrow K or V rows for so few rows (decoding a bf16 or fp16 cache) are widened this many at a
-/// time, into an L1-sized piece of the buffer: a decode tile holds thousands of keys, whose
-/// widened copy (2 MiB at 4096 keys, D = 128) would go out to L3 and back.
+/// B rows of a scaled product for so few rows are widened and scaled this many at a time, into
+/// an L1-sized piece of the buffer: a decode tile holds thousands of keys, whose widened copy
+/// (2 MiB at 4096 keys, D = 128) would go out to L3 and back.
 constexpr index_t kFewRowsKeys = 64;
 
 /// C[i][:] (+)= sum_k A(i, k) B[k][:] for i < rows, over `depth` rows of B (row stride ldb, ncol
 /// contiguous columns); A(i, k) = a[i * ars + k * acs], so A may be read transposed. C is
 /// overwritten unless `accumulate`. `next`: what the caller reads after this product, asked for
 /// in shares, one per row block, while it runs (NextRows).
-template <class A>
+template <class A, class S = A>
 void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars, index_t acs,
-             const A* b, index_t ldb, A* c, index_t ldc, bool accumulate,
+             const S* b, index_t ldb, A* c, index_t ldc, bool accumulate,
              const NextReads& next = {}) {
   if (rows <= 0 || ncol <= 0) return;
   if (depth <= 0) {
@@ -250,7 +332,7 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
     for (index_t i = 0; i < rows; i += RB, ahead.step()) {
       const index_t next_count = std::min<index_t>(RB, std::max<index_t>(rows - i - RB, 0));
       with_row_count(std::min<index_t>(RB, rows - i), [&](auto rb) {
-        j = nn_row_block<A, decltype(rb)::value>(
+        j = nn_row_block<A, decltype(rb)::value, S>(
             ncol, depth, a + i * ars, ars, acs, b, ldb, c + i * ldc, ldc,
             next_count > 0 ? c + (i + RB) * ldc : nullptr, next_count);
       });
@@ -261,9 +343,9 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
     const index_t strips = ncol / (kNnCols * L) + ncol % (kNnCols * L) / L;
     SpreadPrefetch ahead(next, strips * ((rows + kNnRows - 1) / kNnRows));
     for (; j + kNnCols * L <= ncol; j += kNnCols * L)
-      nn_strip<A, kNnCols>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, ahead);
+      nn_strip<A, kNnCols, S>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, ahead);
     for (; j + L <= ncol; j += L)
-      nn_strip<A, 1>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, ahead);
+      nn_strip<A, 1, S>(rows, depth, a, ars, acs, b + j, ldb, c + j, ldc, ahead);
   }
 #else
   (void)next;
@@ -272,7 +354,8 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
   for (; j < ncol; ++j)
     for (index_t i = 0; i < rows; ++i) {
       A s = accumulate ? c[i * ldc + j] : A(0);
-      for (index_t k = 0; k < depth; ++k) s += a[i * ars + k * acs] * b[k * ldb + j];
+      for (index_t k = 0; k < depth; ++k)
+        s = multiply_add(a[i * ars + k * acs], A(b[k * ldb + j]), s);
       c[i * ldc + j] = s;
     }
 }
@@ -284,18 +367,8 @@ void gemm_nn(index_t rows, index_t ncol, index_t depth, const A* a, index_t ars,
 template <class A, class S>
 void gemm_abt(index_t rows, index_t n, index_t depth, const A* a, index_t lda, const S* b,
               index_t ldb, A* c, index_t ldc, A alpha, A* buf, const NextReads& next = {}) {
-  if (rows < kPackMinRows) {
-    if constexpr (std::is_same_v<S, A>) {
-      return gemm_nt_few_rows<A>(rows, n, depth, a, lda, b, ldb, c, ldc, alpha);
-    } else {  // widened in row order: the same dot products as for float storage
-      for (index_t j = 0; j < n; j += kFewRowsKeys) {
-        const index_t keys = std::min(kFewRowsKeys, n - j);
-        pack_rows<A>(keys, depth, b + j * ldb, ldb, buf, depth);
-        gemm_nt_few_rows<A>(rows, keys, depth, a, lda, buf, depth, c + j, ldc, alpha);
-      }
-      return;
-    }
-  }
+  if (rows < kPackMinRows)
+    return gemm_nt_few_rows<A, S>(rows, n, depth, a, lda, b, ldb, c, ldc, alpha);
   pack_transposed<A>(n, depth, b, ldb, alpha, buf, n);
   gemm_nn<A>(rows, n, depth, a, lda, 1, buf, n, c, ldc, false, next);
 }
@@ -315,10 +388,9 @@ void gemm_ab(index_t rows, index_t ncol, index_t depth, MatrixRows<const A> a,
              MatrixRows<const S> b, MatrixRows<A> c, bool accumulate, A* buf, A alpha,
              const NextReads& next) {
   if (rows < kPackMinRows) {
-    if constexpr (std::is_same_v<S, A>)
-      if (alpha == A(1))
-        return gemm_nn<A>(rows, ncol, depth, a.data, a.ld, 1, b.data, b.ld, c.data, c.ld,
-                          accumulate, next);
+    if (alpha == A(1))  // B in place, narrow storage widened as it is loaded
+      return gemm_nn<A, S>(rows, ncol, depth, a.data, a.ld, 1, b.data, b.ld, c.data, c.ld,
+                           accumulate, next);
     // Widened a chunk of rows at a time (the sums continue from chunk to chunk in the same order).
     for (index_t k = 0; k < depth; k += kFewRowsKeys) {
       const index_t keys = std::min(kFewRowsKeys, depth - k);

@@ -27,6 +27,19 @@ struct Simd<double> {
   static constexpr int L = kVectorBytes / 8;
 };
 
+/// a * b + c, rounded once where the target has FMA (as the vector loops' multiply-adds are
+/// contracted), twice otherwise. Spelled out for the scalar tails of loops that read float or
+/// narrow storage: GCC contracts `s += x * y` for one element type and not for another, and the
+/// narrow kernels must compute exactly what the float kernels compute on the same values.
+template <class A>
+inline A multiply_add(A a, A b, A c) {
+#if defined(__FMA__)
+  if constexpr (std::is_same_v<A, float>) return __builtin_fmaf(a, b, c);
+  if constexpr (std::is_same_v<A, double>) return __builtin_fma(a, b, c);
+#endif
+  return a * b + c;
+}
+
 template <class A>
 inline typename Simd<A>::V vload(const A* p) {
   typename Simd<A>::V v;
@@ -74,6 +87,45 @@ inline void add_lane_sums(const A* v, index_t count, A* out) {
     out[k] += sum;
   }
 }
+
+#if defined(__AVX__)
+/// col[l] = lane l of r[0..7]: an 8 x 8 float transpose in 24 shuffles.
+inline void transpose8x8(const __m256 (&r)[8], __m256 (&col)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int h = 0; h < 2; ++h) {
+      u[4 * i + 2 * h] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0x44);
+      u[4 * i + 2 * h + 1] = _mm256_shuffle_ps(t[4 * i + h], t[4 * i + 2 + h], 0xEE);
+    }
+  // u[0..3]: columns 0,1,2,3 in the low 128-bit lane and 4,5,6,7 in the high one, rows 0-3 in
+  // u[q] and rows 4-7 in u[4 + q]; recombine the lanes.
+  for (int q = 0; q < 4; ++q) {
+    col[q] = _mm256_permute2f128_ps(u[q], u[4 + q], 0x20);
+    col[4 + q] = _mm256_permute2f128_ps(u[q], u[4 + q], 0x31);
+  }
+}
+
+/// The lane sums of eight float vectors, each vector's lanes added one by one in lane order from
+/// zero: the order of a scalar loop `s += v[k][l]`, for eight vectors at once (bitwise the same
+/// sums, at a fraction of the dependent adds).
+inline __m256 ordered_lane_sums8(const typename Simd<float>::V (&v)[8]) {
+  constexpr int L = Simd<float>::L;
+  static_assert(L % 8 == 0, "whole 8-lane halves");
+  __m256 sums = _mm256_setzero_ps();
+  for (int h = 0; h < L; h += 8) {
+    __m256 r[8], col[8];
+    for (int k = 0; k < 8; ++k)
+      std::memcpy(&r[k], reinterpret_cast<const char*>(&v[k]) + h * sizeof(float), sizeof r[k]);
+    transpose8x8(r, col);
+    for (int l = 0; l < 8; ++l) sums = _mm256_add_ps(sums, col[l]);
+  }
+  return sums;
+}
+#endif
 
 }  // namespace dcmha::cpu
 #endif
