@@ -145,8 +145,15 @@ inline index_t nn_row_block(index_t ncol, index_t depth, const A* a, index_t ars
                             const S* b, index_t ldb, A* c, index_t ldc, const A* c_next,
                             index_t next_count) {
   constexpr int L = Simd<A>::L;
+  // Narrow rows read in place by one or two rows of A (decode's P'V): strips twice as wide, so
+  // that a V row of 128 values is read in one pass rather than in two half-row streams.
+  constexpr int CB = !std::is_same_v<S, A> && RB <= 2 && kVectorBytes == 64 ? 2 * kNnCols : kNnCols;
   index_t j = 0;
-  for (; j + kNnCols * L <= ncol; j += kNnCols * L) {
+  for (; j + CB * L <= ncol; j += CB * L) {
+    if (c_next) prefetch_rows(c_next + j, next_count, ldc, CB * L * index_t(sizeof(A)));
+    nn_block<A, RB, CB, S>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
+  }
+  for (; CB > kNnCols && j + kNnCols * L <= ncol; j += kNnCols * L) {
     if (c_next) prefetch_rows(c_next + j, next_count, ldc, kNnCols * L * index_t(sizeof(A)));
     nn_block<A, RB, kNnCols, S>(depth, a, ars, acs, b + j, ldb, c + j, ldc, true);
   }
