@@ -223,7 +223,8 @@ void pack_rows(index_t n, index_t cols, const S* src, index_t lds, A* dst, index
 template <class A, class S>
 inline constexpr bool kFewRowsKeyBlocks =
 #if defined(__AVX__) && defined(DCMHA_HAS_VECTOR_EXTENSIONS)
-    std::is_same_v<A, float> && !std::is_same_v<S, float> && kVectorStorage<S>;
+    std::is_same_v<A, float> && !std::is_same_v<S, float> && kVectorStorage<S> &&
+    Simd<float>::L % 8 == 0;
 #else
     false;
 #endif

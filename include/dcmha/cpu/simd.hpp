@@ -111,9 +111,10 @@ inline void transpose8x8(const __m256 (&r)[8], __m256 (&col)[8]) {
 
 /// The lane sums of eight float vectors, each vector's lanes added one by one in lane order from
 /// zero: the order of a scalar loop `s += v[k][l]`, for eight vectors at once (bitwise the same
-/// sums, at a fraction of the dependent adds).
-inline __m256 ordered_lane_sums8(const typename Simd<float>::V (&v)[8]) {
-  constexpr int L = Simd<float>::L;
+/// sums, at a fraction of the dependent adds). V: 8 or 16 floats.
+template <class V>
+inline __m256 ordered_lane_sums8(const V (&v)[8]) {
+  constexpr int L = int(sizeof(V) / sizeof(float));
   static_assert(L % 8 == 0, "whole 8-lane halves");
   __m256 sums = _mm256_setzero_ps();
   for (int h = 0; h < L; h += 8) {
