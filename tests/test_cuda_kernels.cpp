@@ -351,6 +351,19 @@ TEST(CudaKernelsEmulated, LaunchPlans) {
   const dcmha::cuda::BackwardLaunch bl = dcmha::cuda::backward_launch("plan", b);
   EXPECT_GT(bl.query.cluster, 1);
   EXPECT_GT(bl.key.cluster, 1);
+  // Compose items: a lane keeps at most kCachedHeads heads' values (for every group a plan can
+  // hold: up to 8 own heads times a cluster of up to 16 blocks), on parts dividing M and a warp.
+  for (int M = 1; M <= 128; ++M)
+    for (int cluster = 1; cluster <= 16; cluster *= 2) {
+      if (M % cluster != 0 || M / cluster > dcmha::cuda::kMaxWarps) continue;
+      for (int slice_rows : {1, 2, 4, 8, 16, 32, 64, 128}) {
+        const int parts = dcmha::cuda::compose_parts(M, slice_rows, 256);
+        EXPECT_EQ(M % parts, 0) << M;
+        EXPECT_EQ(dcmha::cuda::kWarpSize % parts, 0) << M;
+        EXPECT_LE(M / parts, dcmha::cuda::kCachedHeads) << M << " heads, " << slice_rows << " rows";
+      }
+    }
+  EXPECT_EQ(official.geo.compose_parts, 4);
 }
 
 TEST(CudaKernelsEmulated, DecodeStepsAreTheForwardRows) {

@@ -27,7 +27,6 @@ struct ChainContext {
   ComposeRegion region;
   bool query_axis = true;  // the weight gradients summed along keys (query side) or rows
   bool row_dots_only = false;
-  bool with_values_probs = false;
 
   DCMHA_INLINE GroupTiles group(const ScoreTiles& t) const { return {t, own_heads}; }
 };
@@ -79,93 +78,102 @@ DCMHA_INLINE void store_sums(const Block& blk, const ChainContext<T>& cx, const 
                        cx.query_axis ? p.q[i][r] : p.k[i][r]);
 }
 
-template <class Block, class T>
+/// One item's chain; the key side (kKeySide) also composes P' for dV.
+template <bool kKeySide, class Block, class T>
 DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const ComposeItem& it,
                              const detail::KeyRange (&ranges)[kComposeRows], index_t s, int parts) {
   using std::exp;
   const SideWeights<T>&pre = cx.pre, &post = cx.post;
   const GroupTiles scores = cx.group(cx.tiles.scores), upstream = cx.group(cx.tiles.upstream);
   const GroupTiles probs = cx.group(cx.tiles.probs), grads = cx.group(cx.tiles.softmax_grad);
+  // The lane's heads' values in registers, in place: L, then P, then P'; dP', then dP, dL', dL.
+  ItemValues x, g;
   // 1. Projections of L (Compose_pre) and of dP' (Compose_post's transpose).
   Projections pre_x, post_g;
   pre_x.zero();
   post_g.zero();
-  if (it.valid)
-    for (int m = it.head0; m < it.head0 + it.heads; ++m) {
-      float x[kComposeRows];
-      load_item(blk, scores.head(blk, m), it, x);
-      pre_x.add(blk, pre, it, m, x);
-      load_item(blk, upstream.head(blk, m), it, x);
-      post_g.add(blk, post, it, m, x, Direction::transpose);
-    }
+  if (it.valid) {
+    for_item_heads(it, [&](int j) {
+      load_item(blk, scores.head(blk, it.head0 + j), it, x.v[j]);
+      load_item(blk, upstream.head(blk, it.head0 + j), it, g.v[j]);
+    });
+    pre_x.add(blk, pre, it, x);
+    post_g.add(blk, post, it, g, Direction::transpose);
+  }
   pre_x.reduce(blk, parts);
   post_g.reduce(blk, parts);
   // 2. P = exp(Compose_pre(L) - lse) to its owner, and its projections (Compose_post).
   Projections post_x;
   post_x.zero();
-  if (it.valid)
-    for (int n = it.head0; n < it.head0 + it.heads; ++n) {
-      float x[kComposeRows], y[kComposeRows], lse[kComposeRows];
-      load_item(blk, scores.head(blk, n), it, x);
-      compose_head(blk, pre, it, pre_x, n, x, y);
-      if (pre.terms.static_w) add_static_term(blk, pre, scores, it, n, y);
+  if (it.valid) {
+    compose_heads(blk, pre, it, pre_x, x, x);
+    for_item_heads(it, [&](int j) {
+      const int n = it.head0 + j;
+      float lse[kComposeRows];
+      if (pre.terms.static_w) add_static_term(blk, pre, scores, it, n, x.v[j]);
       load_statistic(blk, cx, cx.lse, it, n, lse);
       DCMHA_UNROLL
       for (int i = 0; i < kComposeRows; ++i)
-        y[i] = i < it.rows && ranges[i].contains(s) && lse[i] > detail::negative_infinity<float>()
-                   ? exp(y[i] - lse[i])
-                   : 0.0f;
+        x.v[j][i] =
+            i < it.rows && ranges[i].contains(s) && lse[i] > detail::negative_infinity<float>()
+                ? exp(x.v[j][i] - lse[i])
+                : 0.0f;
       blk.count_exp(it.rows);
-      store_item(blk, probs.head(blk, n), it, y);
-      post_x.add(blk, post, it, n, y);
-    }
+      store_item(blk, probs.head(blk, n), it, x.v[j]);
+    });
+    post_x.add(blk, post, it, x);
+  }
   post_x.reduce(blk, parts);
+  // Each projection goes to the sums after its last use (fewer live registers).
+  const bool sums = it.valid && !cx.row_dots_only;
+  if (sums) store_sums(blk, cx, it, 0, 0, pre_x);
+  if (sums && !kKeySide) store_sums(blk, cx, it, 1, 0, post_x);
   // Static terms read the other parts' probabilities: the item's lanes are one warp.
   if (post.terms.static_w) blk.sync_warp();
-  // 3. dP = Compose_post^T(dP'); P' = Compose_post(P) for dV; dL' = P (dP - D), or P * dP.
+  // 3. dP = Compose_post^T(dP'); dL' = P (dP - D), or P * dP; P' = Compose_post(P) for dV.
   Projections pre_g;
   pre_g.zero();
-  if (it.valid)
-    for (int m = it.head0; m < it.head0 + it.heads; ++m) {
-      float g[kComposeRows], dp[kComposeRows], p[kComposeRows], d[kComposeRows] = {};
-      load_item(blk, upstream.head(blk, m), it, g);
-      compose_head(blk, post, it, post_g, m, g, dp, Direction::transpose);
+  if (it.valid) {
+    compose_heads(blk, post, it, post_g, g, g, Direction::transpose);
+    for_item_heads(it, [&](int j) {
+      const int m = it.head0 + j;
+      float d[kComposeRows] = {};
       if (post.terms.static_w)
-        add_static_term(blk, post, upstream, it, m, dp, Direction::transpose);
-      load_item(blk, probs.head(blk, m), it, p);
-      if (cx.with_values_probs) {
-        float pp[kComposeRows];
-        compose_head(blk, post, it, post_x, m, p, pp);
-        if (post.terms.static_w) add_static_term(blk, post, probs, it, m, pp);
-        DCMHA_UNROLL
-        for (int i = 0; i < kComposeRows; ++i) pp[i] = ranges[i].contains(s) ? pp[i] : 0.0f;
-        store_operand(blk, cx.values_probs, cx.own_heads, it, m, pp);
-      }
+        add_static_term(blk, post, upstream, it, m, g.v[j], Direction::transpose);
       if (!cx.row_dots_only) load_statistic(blk, cx, cx.row_dot, it, m, d);
       DCMHA_UNROLL
       for (int i = 0; i < kComposeRows; ++i)
-        dp[i] = cx.row_dots_only ? p[i] * dp[i] : p[i] * (dp[i] - d[i]);
+        g.v[j][i] = cx.row_dots_only ? x.v[j][i] * g.v[j][i] : x.v[j][i] * (g.v[j][i] - d[i]);
       blk.count_fma(it.rows);
-      store_item(blk, grads.head(blk, m), it, dp);
-      if (!cx.row_dots_only) pre_g.add(blk, pre, it, m, dp, Direction::transpose);
+      store_item(blk, grads.head(blk, m), it, g.v[j]);
+    });
+    if (!cx.row_dots_only) pre_g.add(blk, pre, it, g, Direction::transpose);
+    if constexpr (kKeySide) {
+      compose_heads(blk, post, it, post_x, x, x);
+      for_item_heads(it, [&](int j) {
+        const int m = it.head0 + j;
+        if (post.terms.static_w) add_static_term(blk, post, probs, it, m, x.v[j]);
+        DCMHA_UNROLL
+        for (int i = 0; i < kComposeRows; ++i) x.v[j][i] = ranges[i].contains(s) ? x.v[j][i] : 0.0f;
+        store_operand(blk, cx.values_probs, cx.own_heads, it, m, x.v[j]);
+      });
     }
+  }
+  if (sums && kKeySide) store_sums(blk, cx, it, 1, 0, post_x);
+  if (sums) store_sums(blk, cx, it, 1, 1, post_g);
   if (cx.row_dots_only) return;
   pre_g.reduce(blk, parts);
   if (pre.terms.static_w) blk.sync_warp();
   // 4. dL = Compose_pre^T(dL') in the storage type, for dQ and dK.
-  if (it.valid)
-    for (int m = it.head0; m < it.head0 + it.heads; ++m) {
-      float g[kComposeRows], dl[kComposeRows];
-      load_item(blk, grads.head(blk, m), it, g);
-      compose_head(blk, pre, it, pre_g, m, g, dl, Direction::transpose);
-      if (pre.terms.static_w) add_static_term(blk, pre, grads, it, m, dl, Direction::transpose);
-      store_operand(blk, cx.dscores, cx.own_heads, it, m, dl);
-    }
-  if (!it.valid) return;
-  store_sums(blk, cx, it, 0, 0, pre_x);
-  store_sums(blk, cx, it, 0, 1, pre_g);
-  store_sums(blk, cx, it, 1, 0, post_x);
-  store_sums(blk, cx, it, 1, 1, post_g);
+  if (it.valid) {
+    compose_heads(blk, pre, it, pre_g, g, g, Direction::transpose);
+    for_item_heads(it, [&](int j) {
+      const int m = it.head0 + j;
+      if (pre.terms.static_w) add_static_term(blk, pre, grads, it, m, g.v[j], Direction::transpose);
+      store_operand(blk, cx.dscores, cx.own_heads, it, m, g.v[j]);
+    });
+  }
+  if (sums) store_sums(blk, cx, it, 0, 1, pre_g);
 }
 
 }  // namespace dcmha::cuda

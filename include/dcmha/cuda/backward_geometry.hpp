@@ -149,8 +149,7 @@ struct BackwardTiles {
             g.sum_keys()};
   }
   DCMHA_INLINE SideWeights<T> side(int s) const {
-    return g.layout.side[s].template view<T>(base, s == 0 ? g.terms.pre : g.terms.post, g.M,
-                                             g.tile_keys());
+    return g.layout.side[s].template view<T>(base, s == 0 ? g.terms.pre : g.terms.post, g.M);
   }
 };
 

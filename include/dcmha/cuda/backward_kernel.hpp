@@ -118,7 +118,6 @@ class BackwardBlock {
     cx.sums = sh.sums();
     cx.region = region;
     cx.query_axis = !geo_.key_side;
-    cx.with_values_probs = geo_.key_side;
     return cx;
   }
 
@@ -216,6 +215,7 @@ class BackwardBlock {
     }
   }
 
+  template <bool kKeySide>
   DCMHA_INLINE void run_chain(const ChainContext<T>& cx, index_t t0, index_t s0) {
     for (int round = 0; round < compose_rounds(blk_, cx.region, geo_.compose_parts); ++round) {
       const ComposeItem it = compose_item(blk_, cx.region, geo_.M, geo_.compose_parts, round);
@@ -225,7 +225,7 @@ class BackwardBlock {
         const index_t t = t0 + it.row0 + i;
         ranges[i] = i < it.rows && t < p_.dims.T ? mask_.row(b_, t) : detail::KeyRange{0, 0};
       }
-      chain_item(blk_, cx, it, ranges, s0 + it.key, geo_.compose_parts);
+      chain_item<kKeySide>(blk_, cx, it, ranges, s0 + it.key, geo_.compose_parts);
     }
   }
 
@@ -366,7 +366,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     ChainContext<T> cx =
         this->chain_context(sh(), {slice_begin_, geo_.slice, 0, kKeys, slice_begin_});
     cx.row_dots_only = row_dots_only;
-    this->run_chain(cx, t0_, s0);
+    this->template run_chain<false>(cx, t0_, s0);
     blk_.sync_cluster();
   }
 
@@ -594,7 +594,7 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     blk_.sync_cluster();
     const ChainContext<T> cx =
         this->chain_context(sh(), {0, kStreamRows, slice_begin_, geo_.slice, 0});
-    this->run_chain(cx, t0, s0_);
+    this->template run_chain<true>(cx, t0, s0_);
     blk_.sync_cluster();
     product_cols_cols(blk_, sh().values_probs().head(own_), row0_, sh().dout(stage).head(own_), 0,
                       kStreamRows, dv_);

@@ -11,6 +11,8 @@
 // so key-wise weights ([term][head][key]) are read without bank conflicts and query-wise ones
 // ([row][term][head]) are broadcasts.
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
 
 #include "../common/compose_terms.hpp"
 #include "../common/mask.hpp"
@@ -26,16 +28,21 @@ namespace dcmha::cuda {
 constexpr int kMaxRank = 4;
 /// Rows of one compose item.
 constexpr int kComposeRows = 1;
+/// Heads of one compose item whose values a lane keeps in registers from one loop over the heads
+/// to the next: each value is read once from its tile (in a cluster, mostly a peer's), not once
+/// per loop. The launch plan gives an item enough parts that a lane holds at most this many.
+constexpr int kCachedHeads = 8;
 
 /// One side's weights for the tile, in shared memory in the storage type W (zeros wherever a row or
-/// key is not real: the caller's padding is never read).
+/// key is not real: the caller's padding is never read). Heads are the fastest index, so that a
+/// lane loads its consecutive heads' weights of one term together.
 template <class W>
 struct SideWeights {
   detail::ComposeTermSet terms;
   W* query = nullptr;  // [slice row][term][m]: qw1 r < Rq, qw2 r < Rq, qdd
-  W* key = nullptr;    // [term][m][key stride]: kw1, kw2, kdd
+  W* key = nullptr;    // [key][term][m]: kw1, kw2, kdd
   W* w = nullptr;      // [m][n]
-  int M = 0, key_stride = 0;
+  int M = 0;
 
   DCMHA_INLINE int query_terms() const {
     return terms.query_wise ? 2 * int(terms.query_rank) + 1 : 0;
@@ -45,7 +52,7 @@ struct SideWeights {
     return query + (index_t(row) * query_terms() + term) * M + m;
   }
   DCMHA_INLINE W* key_at(int term, int m, int c) const {
-    return key + (index_t(term) * M + m) * key_stride + c;
+    return key + (index_t(c) * key_terms() + term) * M + m;
   }
 };
 
@@ -60,16 +67,14 @@ struct SideLayout {
     const index_t query_terms = t.query_wise ? 2 * t.query_rank + 1 : 0;
     const index_t key_terms = t.key_wise ? 2 * t.key_rank + 1 : 0;
     query = c.take<W>(rows * query_terms * M);
-    key = c.take<W>(key_terms * M * (keys + 1));
+    key = c.take<W>(key_terms * M * keys);
     w = c.take<W>(t.static_w ? index_t(M) * M : 0);
   }
   template <class W>
-  DCMHA_INLINE SideWeights<W> view(void* base, const detail::ComposeTermSet& t, int M,
-                                   int keys) const {
+  DCMHA_INLINE SideWeights<W> view(void* base, const detail::ComposeTermSet& t, int M) const {
     SideWeights<W> s;
     s.terms = t;
     s.M = M;
-    s.key_stride = keys + 1;  // odd: the parts of an item (heads M / parts apart) differ in bank
     s.query = at_offset<W>(base, query);
     s.key = at_offset<W>(base, key);
     s.w = at_offset<W>(base, w);
@@ -121,6 +126,15 @@ DCMHA_INLINE ComposeItem compose_item(const Block& blk, const ComposeRegion& reg
   return item;
 }
 
+/// Calls f(j) for the item's heads head0 + j (at most kCachedHeads), unrolled: an ItemValues
+/// indexed by j stays in registers.
+template <class F>
+DCMHA_INLINE void for_item_heads(const ComposeItem& it, F&& f) {
+  DCMHA_UNROLL
+  for (int j = 0; j < kCachedHeads; ++j)
+    if (j < it.heads) f(j);
+}
+
 /// Sums over the `parts` adjacent lanes of an item (every lane calls it).
 template <class Block>
 DCMHA_INLINE float sum_over_parts(const Block& blk, float x, int parts) {
@@ -133,6 +147,48 @@ DCMHA_INLINE float sum_over_parts(const Block& blk, float x, int parts) {
 /// are their own transpose.
 enum class Direction { forward, transpose };
 
+/// One value per head and row of an item, kept in registers between loops over its heads.
+struct ItemValues {
+  float v[kCachedHeads][kComposeRows];
+};
+
+/// One term's weights of a lane's heads (consecutive in shared memory), as loaded: packed in
+/// 32-bit words, widened where used. Eight 2-byte or four 4-byte weights a 16-byte load where the
+/// lane has kCachedHeads heads and they are aligned (DCFormer's M = 32: always); one by one
+/// otherwise.
+template <class W>
+struct HeadWeights {
+  using Bits = std::conditional_t<sizeof(W) == 4, std::uint32_t, std::uint16_t>;
+  static constexpr int kPerWord = 4 / int(sizeof(W)), kWords = kCachedHeads / kPerWord;
+  struct alignas(16) Chunk {
+    std::uint32_t word[4];
+  };
+  std::uint32_t word[kWords] = {};
+
+  template <class Block>
+  DCMHA_INLINE void load(const Block& blk, const W* first, int heads) {
+    if (heads == kCachedHeads && reinterpret_cast<std::uintptr_t>(first) % sizeof(Chunk) == 0) {
+      DCMHA_UNROLL
+      for (int c = 0; c < kWords / 4; ++c) {
+        const Chunk x = blk.load_shared(reinterpret_cast<const Chunk*>(first) + c);
+        DCMHA_UNROLL
+        for (int e = 0; e < 4; ++e) word[4 * c + e] = x.word[e];
+      }
+      return;
+    }
+    DCMHA_UNROLL
+    for (int j = 0; j < kCachedHeads; ++j)
+      if (j < heads)
+        word[j / kPerWord] |=
+            std::uint32_t(Eigen::numext::bit_cast<Bits>(blk.load_shared(first + j)))
+            << (32 / kPerWord * (j % kPerWord));
+  }
+  DCMHA_INLINE float operator[](int j) const {
+    const auto bits = Bits(word[j / kPerWord] >> (32 / kPerWord * (j % kPerWord)));
+    return float(Eigen::numext::bit_cast<W>(bits));
+  }
+};
+
 /// The low-rank projections of one item's rows: the sums over heads of x_m w[r, m], query-wise
 /// and key-wise, with w the side's w1 (forward) or w2 (transpose).
 struct Projections {
@@ -142,27 +198,36 @@ struct Projections {
     for (int i = 0; i < kComposeRows; ++i) DCMHA_UNROLL
     for (int r = 0; r < kMaxRank; ++r) q[i][r] = k[i][r] = 0.0f;
   }
-  /// Adds x[i] (head m's value at the item's rows) times head m's weights.
+  /// Adds the lane's heads' values x (head head0 + j in x.v[j]) times their weights, head by head.
   template <class Block, class W>
-  DCMHA_INLINE void add(const Block& blk, const SideWeights<W>& w, const ComposeItem& it, int m,
-                        const float (&x)[kComposeRows], Direction d = Direction::forward) {
+  DCMHA_INLINE void add(const Block& blk, const SideWeights<W>& w, const ComposeItem& it,
+                        const ItemValues& x, Direction d = Direction::forward) {
     const int Rq = int(w.terms.query_rank), Rk = int(w.terms.key_rank);
     const int q0 = d == Direction::forward ? 0 : Rq, k0 = d == Direction::forward ? 0 : Rk;
-    float kw[kMaxRank];
     DCMHA_UNROLL
-    for (int r = 0; r < kMaxRank; ++r)
-      kw[r] = r < Rk ? float(blk.load_shared(w.key_at(k0 + r, m, it.key))) : 0.0f;
+    for (int r = 0; r < kMaxRank; ++r) {
+      if (r >= Rk) continue;
+      HeadWeights<W> kw;
+      kw.load(blk, w.key_at(k0 + r, it.head0, it.key), it.heads);
+      DCMHA_UNROLL
+      for (int i = 0; i < kComposeRows; ++i) DCMHA_UNROLL
+      for (int j = 0; j < kCachedHeads; ++j)
+        if (i < it.rows && j < it.heads) k[i][r] += x.v[j][i] * kw[j];
+    }
     DCMHA_UNROLL
     for (int i = 0; i < kComposeRows; ++i) {
       if (i >= it.rows) continue;
       DCMHA_UNROLL
       for (int r = 0; r < kMaxRank; ++r) {
-        if (r < Rq)
-          q[i][r] += x[i] * float(blk.load_shared(w.query_at(it.weight_row0 + i, q0 + r, m)));
-        if (r < Rk) k[i][r] += x[i] * kw[r];
+        if (r >= Rq) continue;
+        HeadWeights<W> qw;
+        qw.load(blk, w.query_at(it.weight_row0 + i, q0 + r, it.head0), it.heads);
+        DCMHA_UNROLL
+        for (int j = 0; j < kCachedHeads; ++j)
+          if (j < it.heads) q[i][r] += x.v[j][i] * qw[j];
       }
     }
-    blk.count_fma(index_t(it.rows) * (Rq + Rk));
+    blk.count_fma(index_t(it.rows) * it.heads * (Rq + Rk));
   }
   /// The sums over all heads: every part's own heads added up.
   template <class Block>
@@ -177,40 +242,53 @@ struct Projections {
   }
 };
 
-/// y[i] = Compose(x)_n (forward) or Compose^T(x)_n (transpose) at the item's rows without the
-/// static term: the residual, the gates and the low-rank terms of head n, from x_n (x[i]) and the
-/// projections.
+/// y = Compose(x) (forward) or Compose^T(x) (transpose) of the lane's heads at the item's rows
+/// without the static term: the residual, the gates and the low-rank terms, from x and the
+/// projections. y may be x (head j's output depends on its own input only).
 template <class Block, class W>
-DCMHA_INLINE void compose_head(const Block& blk, const SideWeights<W>& w, const ComposeItem& it,
-                               const Projections& p, int n, const float (&x)[kComposeRows],
-                               float (&y)[kComposeRows], Direction d = Direction::forward) {
+DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const ComposeItem& it,
+                                const Projections& p, const ItemValues& x, ItemValues& y,
+                                Direction d = Direction::forward) {
   const int Rq = int(w.terms.query_rank), Rk = int(w.terms.key_rank);
   const int q0 = d == Direction::forward ? Rq : 0, k0 = d == Direction::forward ? Rk : 0;
-  float kdd = 0, kw[kMaxRank];
-  if (w.terms.key_wise) kdd = float(blk.load_shared(w.key_at(2 * Rk, n, it.key)));
-  DCMHA_UNROLL
-  for (int r = 0; r < kMaxRank; ++r)
-    kw[r] = r < Rk ? float(blk.load_shared(w.key_at(k0 + r, n, it.key))) : 0.0f;
+  HeadWeights<W> key_gate;
+  if (w.terms.key_wise) key_gate.load(blk, w.key_at(2 * Rk, it.head0, it.key), it.heads);
   DCMHA_UNROLL
   for (int i = 0; i < kComposeRows; ++i) {
-    if (i >= it.rows) {
-      y[i] = 0;
-      continue;
-    }
-    float out = x[i] * (1.0f + kdd);
-    if (w.terms.query_wise) {
-      const int row = it.weight_row0 + i;
-      out += x[i] * float(blk.load_shared(w.query_at(row, 2 * Rq, n)));
-      DCMHA_UNROLL
-      for (int r = 0; r < kMaxRank; ++r)
-        if (r < Rq) out += p.q[i][r] * float(blk.load_shared(w.query_at(row, q0 + r, n)));
-    }
+    const int row = it.weight_row0 + i;
+    HeadWeights<W> query_gate;
+    if (i < it.rows && w.terms.query_wise)
+      query_gate.load(blk, w.query_at(row, 2 * Rq, it.head0), it.heads);
     DCMHA_UNROLL
-    for (int r = 0; r < kMaxRank; ++r)
-      if (r < Rk) out += p.k[i][r] * kw[r];
-    y[i] = out;
+    for (int j = 0; j < kCachedHeads; ++j) {
+      if (j >= it.heads) continue;
+      const float xj = i < it.rows ? x.v[j][i] : 0.0f;
+      float out = xj * (1.0f + (w.terms.key_wise ? key_gate[j] : 0.0f));
+      if (w.terms.query_wise) out += xj * query_gate[j];
+      y.v[j][i] = out;
+    }
+    if (i >= it.rows || !w.terms.query_wise) continue;
+    DCMHA_UNROLL
+    for (int r = 0; r < kMaxRank; ++r) {
+      if (r >= Rq) continue;
+      HeadWeights<W> qw;
+      qw.load(blk, w.query_at(row, q0 + r, it.head0), it.heads);
+      DCMHA_UNROLL
+      for (int j = 0; j < kCachedHeads; ++j)
+        if (j < it.heads) y.v[j][i] += p.q[i][r] * qw[j];
+    }
   }
-  blk.count_fma(index_t(it.rows) * (2 + Rq + Rk));
+  DCMHA_UNROLL
+  for (int r = 0; r < kMaxRank; ++r) {
+    if (r >= Rk) continue;
+    HeadWeights<W> kw;
+    kw.load(blk, w.key_at(k0 + r, it.head0, it.key), it.heads);
+    DCMHA_UNROLL
+    for (int i = 0; i < kComposeRows; ++i) DCMHA_UNROLL
+    for (int j = 0; j < kCachedHeads; ++j)
+      if (j < it.heads) y.v[j][i] += p.k[i][r] * kw[j];
+  }
+  blk.count_fma(index_t(it.rows) * it.heads * (2 + Rq + Rk));
 }
 
 /// The M heads' score tiles of a group as one block of a cluster sees them: head m is local head

@@ -108,7 +108,7 @@ struct ForwardTiles {
   }
   DCMHA_INLINE float* lse() const { return at_offset<float>(base, g.layout.lse); }
   DCMHA_INLINE SideWeights<T> side(int s) const {
-    return g.layout.side[s].template view<T>(base, s == 0 ? g.terms.pre : g.terms.post, g.M, kKeys);
+    return g.layout.side[s].template view<T>(base, s == 0 ? g.terms.pre : g.terms.post, g.M);
   }
 };
 

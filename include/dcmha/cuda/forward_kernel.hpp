@@ -328,29 +328,29 @@ class ForwardKernel {
       const ComposeItem it = compose_item(blk_, region(), geo_.M, geo_.compose_parts, round);
       Projections proj;
       proj.zero();
-      if (it.valid)
-        for (int m = it.head0; m < it.head0 + it.heads; ++m) {
-          float x[kComposeRows];
-          load_item(blk_, in.head(blk_, m), it, x);
-          proj.add(blk_, w, it, m, x);
-        }
+      ItemValues x;
+      if (it.valid) {
+        for_item_heads(it,
+                       [&](int j) { load_item(blk_, in.head(blk_, it.head0 + j), it, x.v[j]); });
+        proj.add(blk_, w, it, x);
+      }
       proj.reduce(blk_, geo_.compose_parts);
       if (!it.valid) continue;
       detail::KeyRange ranges[kComposeRows];
       item_ranges(it, ranges);
-      for (int n = it.head0; n < it.head0 + it.heads; ++n) {
-        float x[kComposeRows], y[kComposeRows];
-        load_item(blk_, in.head(blk_, n), it, x);
-        compose_head(blk_, w, it, proj, n, x, y);
-        if (w.terms.static_w) add_static_term(blk_, w, in, it, n, y);
+      ItemValues y;
+      compose_heads(blk_, w, it, proj, x, y);
+      for_item_heads(it, [&](int j) {
+        const int n = it.head0 + j;
+        if (w.terms.static_w) add_static_term(blk_, w, in, it, n, y.v[j]);
         const ScoreTile t = out.head(blk_, n);
         DCMHA_UNROLL
         for (int i = 0; i < kComposeRows; ++i)
           if (i < it.rows)
             blk_.store_shared(t.at(it.row0 + i, it.key), ranges[i].contains(s0 + it.key)
-                                                             ? y[i]
+                                                             ? y.v[j][i]
                                                              : detail::negative_infinity<float>());
-      }
+      });
     }
   }
 
@@ -361,50 +361,50 @@ class ForwardKernel {
     const GroupTiles in = group_tiles(sh().scores()), probs = group_tiles(composed_tiles());
     for (int round = 0; round < compose_rounds(blk_, region(), geo_.compose_parts); ++round) {
       const ComposeItem it = compose_item(blk_, region(), geo_.M, geo_.compose_parts, round);
-      Projections proj;
+      Projections proj, post_proj;
       proj.zero();
-      if (it.valid)
-        for (int m = it.head0; m < it.head0 + it.heads; ++m) {
-          float x[kComposeRows];
-          load_item(blk_, in.head(blk_, m), it, x);
-          proj.add(blk_, pre, it, m, x);
-        }
-      proj.reduce(blk_, geo_.compose_parts);
+      post_proj.zero();
+      // The lane's heads' values, in place: scores, probabilities, P'.
+      ItemValues x;
       detail::KeyRange ranges[kComposeRows];
       item_ranges(it, ranges);
-      // Probabilities, stored for Compose_post (in place of the scores without a static W), and
-      // their projections for Compose_post.
-      Projections post_proj;
-      post_proj.zero();
-      if (it.valid)
-        for (int n = it.head0; n < it.head0 + it.heads; ++n) {
-          float x[kComposeRows], y[kComposeRows];
-          load_item(blk_, in.head(blk_, n), it, x);
-          compose_head(blk_, pre, it, proj, n, x, y);
-          if (pre.terms.static_w) add_static_term(blk_, pre, in, it, n, y);
-          probabilities(it, n, ranges, s0, y);
+      if (it.valid) {
+        for_item_heads(it,
+                       [&](int j) { load_item(blk_, in.head(blk_, it.head0 + j), it, x.v[j]); });
+        proj.add(blk_, pre, it, x);
+      }
+      proj.reduce(blk_, geo_.compose_parts);
+      // Probabilities and their projections for Compose_post; stored (in place of the scores)
+      // only for a static W, which reads every head's.
+      if (it.valid) {
+        compose_heads(blk_, pre, it, proj, x, x);
+        for_item_heads(it, [&](int j) {
+          const int n = it.head0 + j;
+          if (pre.terms.static_w) add_static_term(blk_, pre, in, it, n, x.v[j]);
+          probabilities(it, n, ranges, s0, x.v[j]);
+          if (!post.terms.static_w) return;
           const ScoreTile t = probs.head(blk_, n);
           DCMHA_UNROLL
           for (int i = 0; i < kComposeRows; ++i)
-            if (i < it.rows) blk_.store_shared(t.at(it.row0 + i, it.key), y[i]);
-          post_proj.add(blk_, post, it, n, y);
-        }
+            if (i < it.rows) blk_.store_shared(t.at(it.row0 + i, it.key), x.v[j][i]);
+        });
+        post_proj.add(blk_, post, it, x);
+      }
       post_proj.reduce(blk_, geo_.compose_parts);
       // A static W reads the other parts' probabilities: the item's lanes are one warp.
       if (post.terms.static_w) blk_.sync_warp();
       if (!it.valid) continue;
-      for (int n = it.head0; n < it.head0 + it.heads; ++n) {
-        float x[kComposeRows], y[kComposeRows];
-        load_item(blk_, probs.head(blk_, n), it, x);
-        compose_head(blk_, post, it, post_proj, n, x, y);
-        if (post.terms.static_w) add_static_term(blk_, post, probs, it, n, y);
+      compose_heads(blk_, post, it, post_proj, x, x);
+      for_item_heads(it, [&](int j) {
+        const int n = it.head0 + j;
+        if (post.terms.static_w) add_static_term(blk_, post, probs, it, n, x.v[j]);
         const OperandTile<T> t = sh().probs().head(n % geo_.own_heads);
         DCMHA_UNROLL
         for (int i = 0; i < kComposeRows; ++i)
           if (i < it.rows)
             blk_.store_shared(blk_.peer_shared(t.at(it.row0 + i, it.key), n / geo_.own_heads),
-                              T(ranges[i].contains(s0 + it.key) ? y[i] : 0.0f));
-      }
+                              T(ranges[i].contains(s0 + it.key) ? x.v[j][i] : 0.0f));
+      });
     }
   }
 

@@ -91,11 +91,17 @@ detail::ComposeTermSets checked_terms(const char* fn, const ComposeWeights<T>& c
   return terms;
 }
 
-/// The compose parts: enough lanes per item that the block's threads are busy, dividing M.
+/// The compose parts, dividing M: enough lanes per item that each keeps its heads' values in
+/// registers (M / parts <= kCachedHeads) and that the block's threads are busy. A planned M is
+/// a power-of-two cluster times its own heads, one warp each (at most kMaxWarps), so the cluster
+/// size is such a divisor.
+static_assert(kMaxWarps <= kCachedHeads, "a block's own heads must fit one compose lane");
 inline int compose_parts(int M, int slice_rows, int threads) {
   const int items = (slice_rows + kComposeRows - 1) / kComposeRows * kKeys;
   int parts = 1;
-  while (parts < 8 && M % (2 * parts) == 0 && items * parts * 2 <= threads) parts *= 2;
+  while (parts < kWarpSize && M % (2 * parts) == 0 &&
+         (M / parts > kCachedHeads || (parts < 8 && items * parts * 2 <= threads)))
+    parts *= 2;
   return parts;
 }
 

@@ -1,7 +1,7 @@
 #pragma once
 // Compose weights of a tile's rows and keys into shared memory (in their storage type), in the
 // layouts the compose items read (compose_pass.hpp): query-wise [row][term][m], key-wise
-// [term][m][key], static [m][n]. Rows and keys that are not real get zeros: the caller's padding is
+// [key][term][m], static [m][n]. Rows and keys that are not real get zeros: the caller's padding is
 // never read.
 #include "../compose_weights.hpp"
 #include "../params.hpp"
@@ -36,8 +36,8 @@ DCMHA_INLINE void stage_key_weights(const Block& blk, const SideWeights<T>& w,
                                     const ComposeTerms<T>& c, index_t b, index_t g, index_t s_first,
                                     int keys, index_t real_end, const detail::KeyRing& ring) {
   const int M = w.M, Rk = int(w.terms.key_rank), terms = w.key_terms();
-  // Lanes take consecutive heads of a key, as the weights lie in global memory (coalesced); the
-  // shared rows' odd stride keeps the transposed stores free of bank conflicts.
+  // Lanes take consecutive heads of a key, as the weights lie in global memory (coalesced) and in
+  // shared memory.
   for_each_owned(blk, keys * terms * M, [&](int i) {
     const int key = i / (terms * M), term = i / M % terms, m = i % M;
     const index_t s = s_first + key;

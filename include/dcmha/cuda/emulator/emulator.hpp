@@ -489,7 +489,8 @@ inline void ClusterRun::close_warp_log(int warp) {
       counters_.shared_bytes += bytes;
       counters_.shared_requests += 1;
       counters_.shared_wavefronts += shared_wavefronts(same);
-      if (a.peer) counters_.peer_shared_bytes += bytes;
+      for (const LoggedAccess& x : same)
+        if (x.peer) counters_.peer_shared_bytes += x.bytes;
     } else if (a.store) {
       counters_.global_store_bytes += bytes;
       counters_.global_store_sectors += sectors_of(same);
