@@ -29,10 +29,13 @@ struct ChainSums {
   float* data = nullptr;
   int ranks = 0, rows = 0, keys = 0;  // ranks: the largest R of the call
   DCMHA_INLINE float* at(int side, int kind, int r, int row, int key) const {
-    return data + ((index_t(side * 2 + kind) * ranks + r) * rows + row) * keys + key;
+    return data + ((index_t(side * 2 + kind) * ranks + r) * rows + row) * key_stride(keys) + key;
   }
+  /// Rows of 32 keys padded by 8 floats: the weight gradients read 8 keys of 4 rows at a time,
+  /// one wavefront.
+  DCMHA_INLINE static int key_stride(int keys) { return keys % 32 == 0 ? keys + 8 : keys; }
   DCMHA_INLINE static std::uint32_t carve(SharedCarver& c, int ranks, int rows, int keys) {
-    return c.take<float>(index_t(2) * 2 * ranks * rows * keys);
+    return c.take<float>(index_t(2) * 2 * ranks * rows * key_stride(keys));
   }
 };
 

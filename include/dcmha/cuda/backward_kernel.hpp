@@ -122,67 +122,98 @@ class BackwardBlock {
   }
 
   /// The compose weights' gradients along the kernel's axis are summed per pair (resident line,
-  /// own head): line a row (query side) or a key (key side) of the block. Thread i holds pair i;
-  /// its sums live in shared memory, [pair][side][w1 r, w2 r, dd], between tiles.
+  /// own head): line a row (query side) or a key (key side) of the block. A warp takes the pairs
+  /// of one head and kLines consecutive lines at a time, kWarpSize / kLines lanes per pair
+  /// splitting the tile's other axis; the pair's first lane owns its sums, in shared memory
+  /// between tiles, [pair][side][w1 r, w2 r, dd]. Query side: 4 rows x 8 keys a step, key
+  /// side: 8 keys x 4 rows, so that each step reads whole bank rows of the tiles.
   template <int kHeadDim>
   DCMHA_INLINE float* weight_grads(const BackwardTiles<T, kHeadDim>& sh, int pair, int side) const {
     return at_offset<float>(sh.base, geo_.layout.grads) +
            (index_t(pair) * 2 + side) * (2 * kMaxRank + 1);
   }
   DCMHA_INLINE int pairs() const { return geo_.registers ? 0 : geo_.rows * geo_.own_heads; }
+  DCMHA_INLINE int lines_per_warp() const { return geo_.key_side ? 8 : 4; }
 
-  /// Zeroes this thread's own pair (its own sums: no barrier needed before it adds to them).
-  template <int kHeadDim>
-  DCMHA_INLINE void zero_weight_grads(const BackwardTiles<T, kHeadDim>& sh) const {
-    const int pair = blk_.thread();
-    if (pair >= pairs()) return;
-    for (int i = 0; i < 2 * (2 * kMaxRank + 1); ++i)
-      blk_.store_shared(weight_grads(sh, pair, 0) + i, 0.0f);
+  /// Where this lane works on the weight gradients: f(pair, line, j, owner) for each group of
+  /// lines its warp takes (warp-uniform: every lane calls f, `pair` < 0 past the lines).
+  template <class F>
+  DCMHA_INLINE void for_each_pair_group(F&& f) const {
+    const int lines = lines_per_warp(), lanes = kWarpSize / lines, lane = lane_of(blk_);
+    const int groups = (geo_.rows + lines - 1) / lines, warps = blk_.threads() / kWarpSize;
+    for (int unit = warp_of(blk_); unit < groups * geo_.own_heads; unit += warps) {
+      const int j = unit / groups, line = unit % groups * lines + lane / lanes;
+      const int pair = line < geo_.rows ? j * geo_.rows + line : -1;
+      f(pair, line, j, pair >= 0 && lane % lanes == 0);
+    }
   }
 
-  /// Adds the tile's terms to this thread's pair: x and dy from the own head's chain tiles, the
-  /// projections from the block that composed the line, summed over the tile's other axis.
+  /// Zeroes the pairs this thread owns (their owner alone touches them: no barrier needed).
+  template <int kHeadDim>
+  DCMHA_INLINE void zero_weight_grads(const BackwardTiles<T, kHeadDim>& sh) const {
+    if (pairs() == 0) return;
+    for_each_pair_group([&](int pair, int, int, bool owner) {
+      if (!owner) return;
+      for (int i = 0; i < 2 * (2 * kMaxRank + 1); ++i)
+        blk_.store_shared(weight_grads(sh, pair, 0) + i, 0.0f);
+    });
+  }
+
+  /// Adds the tile's terms to the pairs: x and dy from the own head's chain tiles, the
+  /// projections from the block that composed the line, summed over the tile's other axis (each
+  /// lane its share in order, then the pair's lanes by shuffles).
   template <int kHeadDim>
   DCMHA_INLINE void accumulate_weight_grads(const BackwardTiles<T, kHeadDim>& sh) const {
-    const int pair = blk_.thread();
-    if (pair >= pairs()) return;
+    if (pairs() == 0) return;
     const bool query_axis = !geo_.key_side;
-    const int line = pair % geo_.rows, j = pair / geo_.rows, composer = line / geo_.slice;
-    const int local = line - composer * geo_.slice, others = geo_.key_side ? kStreamRows : kKeys;
+    const int others = geo_.key_side ? kStreamRows : kKeys;
+    const int lanes = kWarpSize / lines_per_warp(), first = lane_of(blk_) % lanes;
     const ChainSums sums = sh.sums();
     const ChainTiles chain = sh.chain();
-    DCMHA_UNROLL
-    for (int side = 0; side < 2; ++side) {
-      const detail::ComposeTermSet& t = side == 0 ? geo_.terms.pre : geo_.terms.post;
-      if (!(query_axis ? t.query_wise : t.key_wise)) continue;
-      const int R = int(query_axis ? t.query_rank : t.key_rank);
-      const ScoreTile x = (side == 0 ? chain.scores : chain.probs).head(j);
-      const ScoreTile dy = (side == 0 ? chain.softmax_grad : chain.upstream).head(j);
-      float* acc = weight_grads(sh, pair, side);
-      float w1[kMaxRank], w2[kMaxRank], dd = blk_.load_shared(acc + 2 * kMaxRank);
+    for_each_pair_group([&](int pair, int line, int j, bool owner) {
+      const int composer = line / geo_.slice, local = line - composer * geo_.slice;
       DCMHA_UNROLL
-      for (int k = 0; k < kMaxRank; ++k)
-        w1[k] = blk_.load_shared(acc + k), w2[k] = blk_.load_shared(acc + kMaxRank + k);
-      for (int o = 0; o < others; ++o) {
-        const int row = query_axis ? line : o, key = query_axis ? o : line;
-        const int sum_row = query_axis ? local : o, sum_key = query_axis ? o : local;
-        const float xv = blk_.load_shared(x.at(row, key)), dyv = blk_.load_shared(dy.at(row, key));
-        dd += xv * dyv;
+      for (int side = 0; side < 2; ++side) {
+        const detail::ComposeTermSet& t = side == 0 ? geo_.terms.pre : geo_.terms.post;
+        if (!(query_axis ? t.query_wise : t.key_wise)) continue;
+        const int R = int(query_axis ? t.query_rank : t.key_rank);
+        const ScoreTile x = (side == 0 ? chain.scores : chain.probs).head(j);
+        const ScoreTile dy = (side == 0 ? chain.softmax_grad : chain.upstream).head(j);
+        float w1[kMaxRank] = {}, w2[kMaxRank] = {}, dd = 0;
+        for (int o = first; o < others && pair >= 0; o += lanes) {
+          const int row = query_axis ? line : o, key = query_axis ? o : line;
+          const int sum_row = query_axis ? local : o, sum_key = query_axis ? o : local;
+          const float xv = blk_.load_shared(x.at(row, key));
+          const float dyv = blk_.load_shared(dy.at(row, key));
+          dd += xv * dyv;
+          DCMHA_UNROLL
+          for (int k = 0; k < kMaxRank; ++k) {
+            if (k >= R) continue;
+            w1[k] += xv * blk_.load_shared(
+                              blk_.peer_shared(sums.at(side, 1, k, sum_row, sum_key), composer));
+            w2[k] += dyv * blk_.load_shared(
+                               blk_.peer_shared(sums.at(side, 0, k, sum_row, sum_key), composer));
+          }
+        }
+        blk_.count_fma(index_t(others) * (1 + 2 * R) / lanes);
+        dd = sum_over_parts(blk_, dd, lanes);
         DCMHA_UNROLL
         for (int k = 0; k < kMaxRank; ++k) {
           if (k >= R) continue;
-          w1[k] += xv * blk_.load_shared(
-                            blk_.peer_shared(sums.at(side, 1, k, sum_row, sum_key), composer));
-          w2[k] += dyv * blk_.load_shared(
-                             blk_.peer_shared(sums.at(side, 0, k, sum_row, sum_key), composer));
+          w1[k] = sum_over_parts(blk_, w1[k], lanes);
+          w2[k] = sum_over_parts(blk_, w2[k], lanes);
         }
+        if (!owner) continue;
+        float* acc = weight_grads(sh, pair, side);
+        DCMHA_UNROLL
+        for (int k = 0; k < kMaxRank; ++k) {
+          if (k >= R) continue;
+          blk_.store_shared(acc + k, blk_.load_shared(acc + k) + w1[k]);
+          blk_.store_shared(acc + kMaxRank + k, blk_.load_shared(acc + kMaxRank + k) + w2[k]);
+        }
+        blk_.store_shared(acc + 2 * kMaxRank, blk_.load_shared(acc + 2 * kMaxRank) + dd);
       }
-      blk_.count_fma(index_t(others) * (1 + 2 * R));
-      DCMHA_UNROLL
-      for (int k = 0; k < kMaxRank; ++k)
-        blk_.store_shared(acc + k, w1[k]), blk_.store_shared(acc + kMaxRank + k, w2[k]);
-      blk_.store_shared(acc + 2 * kMaxRank, dd);
-    }
+    });
   }
 
   /// The pairs' sums to the caller: lines [first, first + real) of the block, past `length`
@@ -190,12 +221,17 @@ class BackwardBlock {
   template <int kHeadDim>
   DCMHA_INLINE void store_weight_grads(const BackwardTiles<T, kHeadDim>& sh, index_t first,
                                        int real, index_t length) const {
-    const int pair = blk_.thread();
-    if (pair >= pairs()) return;
+    if (pairs() == 0) return;
+    for_each_pair_group([&](int pair, int line, int j, bool owner) {
+      if (owner && line < real) store_pair_grads(sh, pair, first + line, j, length);
+    });
+  }
+  /// One pair's sums at line `at` of the axis (zeros past `length`).
+  template <int kHeadDim>
+  DCMHA_INLINE void store_pair_grads(const BackwardTiles<T, kHeadDim>& sh, int pair, index_t at,
+                                     int j, index_t length) const {
     const bool query_axis = !geo_.key_side;
-    const int line = pair % geo_.rows, j = pair / geo_.rows;
-    if (line >= real) return;
-    const index_t at = first + line, m = rank_ * geo_.own_heads + j;
+    const index_t m = rank_ * geo_.own_heads + j;
     const bool is_real = at < length;
     DCMHA_UNROLL
     for (int side = 0; side < 2; ++side) {
