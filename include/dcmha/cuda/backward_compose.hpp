@@ -65,7 +65,7 @@ DCMHA_INLINE void store_operand(const Block& blk, const OperandTiles<T>& tiles, 
 template <class Block, class T>
 DCMHA_INLINE void store_sums(const Block& blk, const ChainContext<T>& cx, const ComposeItem& it,
                              int side, int kind, const Projections& p) {
-  if (it.head0 != 0) return;
+  if (it.part != 0) return;
   const SideWeights<T>& w = side == 0 ? cx.pre : cx.post;
   const int R = int(cx.query_axis ? w.terms.query_rank : w.terms.key_rank);
   DCMHA_UNROLL
@@ -94,8 +94,8 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
   post_g.zero();
   if (it.valid) {
     for_item_heads(it, [&](int j) {
-      load_item(blk, scores.head(blk, it.head0 + j), it, x.v[j]);
-      load_item(blk, upstream.head(blk, it.head0 + j), it, g.v[j]);
+      load_item(blk, scores.head(blk, it.head(j)), it, x.v[j]);
+      load_item(blk, upstream.head(blk, it.head(j)), it, g.v[j]);
     });
     pre_x.add(blk, pre, it, x);
     post_g.add(blk, post, it, g, Direction::transpose);
@@ -108,7 +108,7 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
   if (it.valid) {
     compose_heads(blk, pre, it, pre_x, x, x);
     for_item_heads(it, [&](int j) {
-      const int n = it.head0 + j;
+      const int n = it.head(j);
       float lse[kComposeRows];
       if (pre.terms.static_w) add_static_term(blk, pre, scores, it, n, x.v[j]);
       load_statistic(blk, cx, cx.lse, it, n, lse);
@@ -136,7 +136,7 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
   if (it.valid) {
     compose_heads(blk, post, it, post_g, g, g, Direction::transpose);
     for_item_heads(it, [&](int j) {
-      const int m = it.head0 + j;
+      const int m = it.head(j);
       float d[kComposeRows] = {};
       if (post.terms.static_w)
         add_static_term(blk, post, upstream, it, m, g.v[j], Direction::transpose);
@@ -151,7 +151,7 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
     if constexpr (kKeySide) {
       compose_heads(blk, post, it, post_x, x, x);
       for_item_heads(it, [&](int j) {
-        const int m = it.head0 + j;
+        const int m = it.head(j);
         if (post.terms.static_w) add_static_term(blk, post, probs, it, m, x.v[j]);
         DCMHA_UNROLL
         for (int i = 0; i < kComposeRows; ++i) x.v[j][i] = ranges[i].contains(s) ? x.v[j][i] : 0.0f;
@@ -168,7 +168,7 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
   if (it.valid) {
     compose_heads(blk, pre, it, pre_g, g, g, Direction::transpose);
     for_item_heads(it, [&](int j) {
-      const int m = it.head0 + j;
+      const int m = it.head(j);
       if (pre.terms.static_w) add_static_term(blk, pre, grads, it, m, g.v[j], Direction::transpose);
       store_operand(blk, cx.dscores, cx.own_heads, it, m, g.v[j]);
     });

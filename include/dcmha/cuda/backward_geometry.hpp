@@ -152,7 +152,8 @@ struct BackwardTiles {
             g.sum_keys()};
   }
   DCMHA_INLINE SideWeights<T> side(int s) const {
-    return g.layout.side[s].template view<T>(base, s == 0 ? g.terms.pre : g.terms.post, g.M);
+    return g.layout.side[s].template view<T>(base, s == 0 ? g.terms.pre : g.terms.post, g.M,
+                                             g.compose_parts);
   }
 };
 

@@ -34,25 +34,28 @@ constexpr int kComposeRows = 1;
 constexpr int kCachedHeads = 8;
 
 /// One side's weights for the tile, in shared memory in the storage type W (zeros wherever a row or
-/// key is not real: the caller's padding is never read). Heads are the fastest index, so that a
-/// lane loads its consecutive heads' weights of one term together.
+/// key is not real: the caller's padding is never read). Heads are the fastest index, in the
+/// compose items' order (head m at slot (m % parts) (M / parts) + m / parts), so that a lane
+/// loads its heads' weights of one term together.
 template <class W>
 struct SideWeights {
   detail::ComposeTermSet terms;
-  W* query = nullptr;  // [slice row][term][m]: qw1 r < Rq, qw2 r < Rq, qdd
-  W* key = nullptr;    // [key][term][m]: kw1, kw2, kdd
+  W* query = nullptr;  // [slice row][term][slot]: qw1 r < Rq, qw2 r < Rq, qdd
+  W* key = nullptr;    // [key][term][slot]: kw1, kw2, kdd
   W* w = nullptr;      // [m][n]
-  int M = 0;
+  int M = 0, parts = 1;
+
+  DCMHA_INLINE int slot(int m) const { return m % parts * (M / parts) + m / parts; }
 
   DCMHA_INLINE int query_terms() const {
     return terms.query_wise ? 2 * int(terms.query_rank) + 1 : 0;
   }
   DCMHA_INLINE int key_terms() const { return terms.key_wise ? 2 * int(terms.key_rank) + 1 : 0; }
   DCMHA_INLINE W* query_at(int row, int term, int m) const {
-    return query + (index_t(row) * query_terms() + term) * M + m;
+    return query + (index_t(row) * query_terms() + term) * M + slot(m);
   }
   DCMHA_INLINE W* key_at(int term, int m, int c) const {
-    return key + (index_t(c) * key_terms() + term) * M + m;
+    return key + (index_t(c) * key_terms() + term) * M + slot(m);
   }
 };
 
@@ -71,10 +74,12 @@ struct SideLayout {
     w = c.take<W>(t.static_w ? index_t(M) * M : 0);
   }
   template <class W>
-  DCMHA_INLINE SideWeights<W> view(void* base, const detail::ComposeTermSet& t, int M) const {
+  DCMHA_INLINE SideWeights<W> view(void* base, const detail::ComposeTermSet& t, int M,
+                                   int parts) const {
     SideWeights<W> s;
     s.terms = t;
     s.M = M;
+    s.parts = parts;
     s.query = at_offset<W>(base, query);
     s.key = at_offset<W>(base, key);
     s.w = at_offset<W>(base, w);
@@ -88,8 +93,12 @@ struct ComposeItem {
   int weight_row0 = 0;  // the same row in the query-wise weight arrays
   int rows = 0;         // rows of the item that are in the region (<= kComposeRows)
   int key = 0;          // column in the tile and in the key-wise weight arrays
-  int head0 = 0, heads = 0;
+  // The lane's heads: part + parts j for j < heads. Interleaved, so that at each j the parts
+  // read the same cluster block's tiles (its own heads are consecutive) side by side.
+  int part = 0, parts = 1, heads = 0;
   bool valid = false;
+
+  DCMHA_INLINE int head(int j) const { return part + parts * j; }
 };
 
 /// The positions a block composes: rows [row_begin, row_begin + rows) x keys [key_begin,
@@ -122,12 +131,13 @@ DCMHA_INLINE ComposeItem compose_item(const Block& blk, const ComposeRegion& reg
   item.rows = region.rows - first < kComposeRows ? region.rows - first : kComposeRows;
   item.key = region.key_begin + key;
   item.heads = M / parts;
-  item.head0 = part * item.heads;
+  item.part = part;
+  item.parts = parts;
   return item;
 }
 
-/// Calls f(j) for the item's heads head0 + j (at most kCachedHeads), unrolled: an ItemValues
-/// indexed by j stays in registers.
+/// Calls f(j) for the lane's heads it.head(j), j < it.heads <= kCachedHeads, unrolled: an
+/// ItemValues indexed by j stays in registers.
 template <class F>
 DCMHA_INLINE void for_item_heads(const ComposeItem& it, F&& f) {
   DCMHA_UNROLL
@@ -208,7 +218,7 @@ struct Projections {
     for (int r = 0; r < kMaxRank; ++r) {
       if (r >= Rk) continue;
       HeadWeights<W> kw;
-      kw.load(blk, w.key_at(k0 + r, it.head0, it.key), it.heads);
+      kw.load(blk, w.key_at(k0 + r, it.part, it.key), it.heads);
       DCMHA_UNROLL
       for (int i = 0; i < kComposeRows; ++i) DCMHA_UNROLL
       for (int j = 0; j < kCachedHeads; ++j)
@@ -221,7 +231,7 @@ struct Projections {
       for (int r = 0; r < kMaxRank; ++r) {
         if (r >= Rq) continue;
         HeadWeights<W> qw;
-        qw.load(blk, w.query_at(it.weight_row0 + i, q0 + r, it.head0), it.heads);
+        qw.load(blk, w.query_at(it.weight_row0 + i, q0 + r, it.part), it.heads);
         DCMHA_UNROLL
         for (int j = 0; j < kCachedHeads; ++j)
           if (j < it.heads) q[i][r] += x.v[j][i] * qw[j];
@@ -252,13 +262,13 @@ DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const
   const int Rq = int(w.terms.query_rank), Rk = int(w.terms.key_rank);
   const int q0 = d == Direction::forward ? Rq : 0, k0 = d == Direction::forward ? Rk : 0;
   HeadWeights<W> key_gate;
-  if (w.terms.key_wise) key_gate.load(blk, w.key_at(2 * Rk, it.head0, it.key), it.heads);
+  if (w.terms.key_wise) key_gate.load(blk, w.key_at(2 * Rk, it.part, it.key), it.heads);
   DCMHA_UNROLL
   for (int i = 0; i < kComposeRows; ++i) {
     const int row = it.weight_row0 + i;
     HeadWeights<W> query_gate;
     if (i < it.rows && w.terms.query_wise)
-      query_gate.load(blk, w.query_at(row, 2 * Rq, it.head0), it.heads);
+      query_gate.load(blk, w.query_at(row, 2 * Rq, it.part), it.heads);
     DCMHA_UNROLL
     for (int j = 0; j < kCachedHeads; ++j) {
       if (j >= it.heads) continue;
@@ -272,7 +282,7 @@ DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const
     for (int r = 0; r < kMaxRank; ++r) {
       if (r >= Rq) continue;
       HeadWeights<W> qw;
-      qw.load(blk, w.query_at(row, q0 + r, it.head0), it.heads);
+      qw.load(blk, w.query_at(row, q0 + r, it.part), it.heads);
       DCMHA_UNROLL
       for (int j = 0; j < kCachedHeads; ++j)
         if (j < it.heads) y.v[j][i] += p.q[i][r] * qw[j];
@@ -282,7 +292,7 @@ DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const
   for (int r = 0; r < kMaxRank; ++r) {
     if (r >= Rk) continue;
     HeadWeights<W> kw;
-    kw.load(blk, w.key_at(k0 + r, it.head0, it.key), it.heads);
+    kw.load(blk, w.key_at(k0 + r, it.part, it.key), it.heads);
     DCMHA_UNROLL
     for (int i = 0; i < kComposeRows; ++i) DCMHA_UNROLL
     for (int j = 0; j < kCachedHeads; ++j)

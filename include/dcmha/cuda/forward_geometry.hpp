@@ -56,6 +56,9 @@ struct ForwardGeometry {
   /// tile instead of overwriting its input.
   DCMHA_INLINE bool pre_out_of_place() const { return terms.pre.static_w; }
   DCMHA_INLINE int threads() const { return warps * 32; }
+  /// Floats per own head of the lse array: 8 past a multiple of 32, so that the compose items'
+  /// parts reading consecutive heads' lse of one row fall in different banks.
+  DCMHA_INLINE int lse_stride() const { return (rows + 31) / 32 * 32 + 8; }
 
   /// Lays out the shared memory for storage type T and head-dim class kHeadDim.
   template <class T, int kHeadDim>
@@ -72,7 +75,7 @@ struct ForwardGeometry {
     // P' for the values (two passes; float storage, whose P V reads P from shared memory too).
     const bool probs = mode == ForwardMode::two_pass || !kTensorCoreType<T>;
     l.probs = OperandTiles<T>::carve(c, probs ? own_heads : 0, rows, kKeys);
-    l.lse = c.take<float>(index_t(own_heads) * rows);
+    l.lse = c.take<float>(index_t(own_heads) * lse_stride());
     l.side[0].template carve<T>(c, terms.pre, M, slice_rows, kKeys);
     const detail::ComposeTermSet post =
         mode == ForwardMode::two_pass ? terms.post : detail::ComposeTermSet{};
@@ -106,9 +109,13 @@ struct ForwardTiles {
   DCMHA_INLINE OperandTiles<T> probs() const {
     return OperandTiles<T>::view(base, g.layout.probs, g.rows, kKeys);
   }
-  DCMHA_INLINE float* lse() const { return at_offset<float>(base, g.layout.lse); }
+  /// Row r's lse of own head h.
+  DCMHA_INLINE float* lse(int h, int r) const {
+    return at_offset<float>(base, g.layout.lse) + index_t(h) * g.lse_stride() + r;
+  }
   DCMHA_INLINE SideWeights<T> side(int s) const {
-    return g.layout.side[s].template view<T>(base, s == 0 ? g.terms.pre : g.terms.post, g.M);
+    return g.layout.side[s].template view<T>(base, s == 0 ? g.terms.pre : g.terms.post, g.M,
+                                             g.compose_parts);
   }
 };
 

@@ -291,8 +291,7 @@ class ForwardKernel {
     const FragmentPlace f(blk_);
     DCMHA_UNROLL
     for (int h = 0; h < 2; ++h) {
-      const float l =
-          blk_.load_shared(sh().lse() + index_t(own_) * geo_.rows + row0_ + f.row(2 * h));
+      const float l = blk_.load_shared(sh().lse(own_, row0_ + f.row(2 * h)));
       DCMHA_UNROLL
       for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
       for (int i = 2 * h; i < 2 * h + 2; ++i)
@@ -330,8 +329,7 @@ class ForwardKernel {
       proj.zero();
       ItemValues x;
       if (it.valid) {
-        for_item_heads(it,
-                       [&](int j) { load_item(blk_, in.head(blk_, it.head0 + j), it, x.v[j]); });
+        for_item_heads(it, [&](int j) { load_item(blk_, in.head(blk_, it.head(j)), it, x.v[j]); });
         proj.add(blk_, w, it, x);
       }
       proj.reduce(blk_, geo_.compose_parts);
@@ -341,7 +339,7 @@ class ForwardKernel {
       ItemValues y;
       compose_heads(blk_, w, it, proj, x, y);
       for_item_heads(it, [&](int j) {
-        const int n = it.head0 + j;
+        const int n = it.head(j);
         if (w.terms.static_w) add_static_term(blk_, w, in, it, n, y.v[j]);
         const ScoreTile t = out.head(blk_, n);
         DCMHA_UNROLL
@@ -369,8 +367,7 @@ class ForwardKernel {
       detail::KeyRange ranges[kComposeRows];
       item_ranges(it, ranges);
       if (it.valid) {
-        for_item_heads(it,
-                       [&](int j) { load_item(blk_, in.head(blk_, it.head0 + j), it, x.v[j]); });
+        for_item_heads(it, [&](int j) { load_item(blk_, in.head(blk_, it.head(j)), it, x.v[j]); });
         proj.add(blk_, pre, it, x);
       }
       proj.reduce(blk_, geo_.compose_parts);
@@ -379,7 +376,7 @@ class ForwardKernel {
       if (it.valid) {
         compose_heads(blk_, pre, it, proj, x, x);
         for_item_heads(it, [&](int j) {
-          const int n = it.head0 + j;
+          const int n = it.head(j);
           if (pre.terms.static_w) add_static_term(blk_, pre, in, it, n, x.v[j]);
           probabilities(it, n, ranges, s0, x.v[j]);
           if (!post.terms.static_w) return;
@@ -396,7 +393,7 @@ class ForwardKernel {
       if (!it.valid) continue;
       compose_heads(blk_, post, it, post_proj, x, x);
       for_item_heads(it, [&](int j) {
-        const int n = it.head0 + j;
+        const int n = it.head(j);
         if (post.terms.static_w) add_static_term(blk_, post, probs, it, n, x.v[j]);
         const OperandTile<T> t = sh().probs().head(n % geo_.own_heads);
         DCMHA_UNROLL
@@ -413,8 +410,7 @@ class ForwardKernel {
                                   const detail::KeyRange (&ranges)[kComposeRows], index_t s0,
                                   float (&y)[kComposeRows]) const {
     using std::exp;
-    const float* lse =
-        blk_.peer_shared(sh().lse(), n / geo_.own_heads) + index_t(n % geo_.own_heads) * geo_.rows;
+    const float* lse = blk_.peer_shared(sh().lse(n % geo_.own_heads, 0), n / geo_.own_heads);
     DCMHA_UNROLL
     for (int i = 0; i < kComposeRows; ++i) {
       if (i >= it.rows) continue;
@@ -438,7 +434,7 @@ class ForwardKernel {
       const int r = row0_ + f.row(2 * h);
       const float l = state_[h].lse();
       if (f.t == 0) {
-        blk_.store_shared(sh().lse() + index_t(own_) * geo_.rows + r, l);
+        blk_.store_shared(sh().lse(own_, r), l);
         if (r < rows_real_ && !p_.lse.empty()) blk_.store_global(&p_.lse(b_, head_, t0_ + r), l);
       }
     }
@@ -488,7 +484,7 @@ class ForwardKernel {
       if (f.t != 0) continue;
       const float l = r < rows_real_ ? blk_.load_global(split_.lse + row_index(r))
                                      : detail::negative_infinity<float>();
-      blk_.store_shared(sh().lse() + index_t(own_) * geo_.rows + r, l);
+      blk_.store_shared(sh().lse(own_, r), l);
     }
   }
 

@@ -101,8 +101,10 @@ struct ScoreTiles {
   DCMHA_INLINE float* at(int h, int r, int c) const {
     return data + index_t(h) * head_stride + index_t(r) * stride + c;
   }
+  /// Heads 8 floats past a 128-byte line apart: the compose items' parts read 8 keys of one row
+  /// of consecutive heads together, one wavefront.
   DCMHA_INLINE static index_t head_stride_of(int rows, int keys) {
-    return (index_t(rows) * ScoreTile::stride_of(keys) + 31) / 32 * 32;  // heads 128-byte aligned
+    return (index_t(rows) * ScoreTile::stride_of(keys) + 31) / 32 * 32 + 8;
   }
   DCMHA_INLINE static std::uint32_t carve(SharedCarver& c, int heads, int rows, int keys) {
     return c.take<float>(heads * head_stride_of(rows, keys));
@@ -126,10 +128,12 @@ struct OperandTiles {
     t.chunks = chunks;
     return t;
   }
-  /// Elements per head: 128-byte aligned heads keep the swizzle's line alignment.
+  /// Elements per head: 16 bytes past a 128-byte line, so that the compose items' parts writing
+  /// one 16-byte chunk of consecutive heads each fall in different banks (the swizzle depends on
+  /// the row only: shifting a whole tile by 16 bytes keeps ldmatrix conflict-free).
   DCMHA_INLINE static index_t head_stride_of(int rows, int width) {
     const index_t bytes = OperandTile<U>::elements(rows, width) * index_t(sizeof(U));
-    return (bytes + 127) / 128 * 128 / index_t(sizeof(U));
+    return ((bytes + 127) / 128 * 128 + 16) / index_t(sizeof(U));
   }
   DCMHA_INLINE static std::uint32_t carve(SharedCarver& c, int heads, int rows, int width) {
     return c.take<U>(heads * head_stride_of(rows, width));
