@@ -319,4 +319,26 @@ TEST(CudaEmulator, CountsSectorsAndBankConflicts) {
   EXPECT_EQ(c.shared_wavefronts, 1u + 32u + 1u);
 }
 
+TEST(CudaEmulator, CountsEachPeerWordOnce) {
+  // DSMEM bytes: the distinct words of other blocks an instruction reads, whichever lanes read
+  // them; a block's own memory is not DSMEM.
+  em::Counting::enabled() = true;
+  const em::Counters c = run(
+      32, 64 * 4,
+      [&](const HostBlock& blk) {
+        auto* s = static_cast<float*>(blk.shared());
+        const int l = blk.thread(), peer = 1 - blk.cluster_rank();
+        blk.store_shared(&s[l], 1.0f);
+        blk.sync_cluster();
+        (void)blk.load_shared(blk.peer_shared(&s[l], peer));         // 32 words
+        (void)blk.load_shared(blk.peer_shared(&s[l / 8], peer));     // 4 words, 8 lanes each
+        (void)blk.load_shared(l < 16 ? blk.peer_shared(&s[l], peer)  // 16 words, the rest own
+                                     : &s[l]);
+        blk.sync_cluster();
+      },
+      2);
+  em::Counting::enabled() = false;
+  EXPECT_EQ(c.peer_shared_bytes, 2u * 4u * (32u + 4u + 16u));
+}
+
 }  // namespace

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace dcmha::cuda::emulator {
@@ -51,6 +52,19 @@ inline std::uint64_t sectors_of(const std::vector<LoggedAccess>& lanes) {
   }
   std::sort(sectors.begin(), sectors.end());
   return static_cast<std::uint64_t>(std::unique(sectors.begin(), sectors.end()) - sectors.begin());
+}
+
+/// The bytes a warp instruction moves between blocks of a cluster (DSMEM): each distinct address
+/// of another block once, as lanes reading the same word share one transfer.
+inline std::uint64_t peer_bytes_of(const std::vector<LoggedAccess>& lanes) {
+  std::vector<std::pair<std::uintptr_t, std::uint32_t>> seen;
+  for (const LoggedAccess& a : lanes)
+    if (a.peer) seen.emplace_back(reinterpret_cast<std::uintptr_t>(a.address), a.bytes);
+  std::sort(seen.begin(), seen.end());
+  seen.erase(std::unique(seen.begin(), seen.end()), seen.end());
+  std::uint64_t bytes = 0;
+  for (const auto& s : seen) bytes += s.second;
+  return bytes;
 }
 
 /// Shared-memory wavefronts of accesses made together: 32 banks of 4 bytes deliver one word each

@@ -489,8 +489,7 @@ inline void ClusterRun::close_warp_log(int warp) {
       counters_.shared_bytes += bytes;
       counters_.shared_requests += 1;
       counters_.shared_wavefronts += shared_wavefronts(same);
-      for (const LoggedAccess& x : same)
-        if (x.peer) counters_.peer_shared_bytes += x.bytes;
+      counters_.peer_shared_bytes += peer_bytes_of(same);
     } else if (a.store) {
       counters_.global_store_bytes += bytes;
       counters_.global_store_sectors += sectors_of(same);
