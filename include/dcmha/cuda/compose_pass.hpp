@@ -199,6 +199,25 @@ struct HeadWeights {
   }
 };
 
+/// sum_j x.v[j][i] w[j] over the item's heads, in order.
+template <class W>
+DCMHA_INLINE float dot_heads(const ComposeItem& it, const ItemValues& x, int i,
+                             const HeadWeights<W>& w) {
+  float sum = 0;
+  DCMHA_UNROLL
+  for (int j = 0; j < kCachedHeads; ++j)
+    if (j < it.heads) sum += x.v[j][i] * w[j];
+  return sum;
+}
+/// y.v[j][i] += a w[j] for the item's heads.
+template <class W>
+DCMHA_INLINE void add_scaled_heads(const ComposeItem& it, float a, const HeadWeights<W>& w, int i,
+                                   ItemValues& y) {
+  DCMHA_UNROLL
+  for (int j = 0; j < kCachedHeads; ++j)
+    if (j < it.heads) y.v[j][i] += a * w[j];
+}
+
 /// The low-rank projections of one item's rows: the sums over heads of x_m w[r, m], query-wise
 /// and key-wise, with w the side's w1 (forward) or w2 (transpose).
 struct Projections {
@@ -208,7 +227,7 @@ struct Projections {
     for (int i = 0; i < kComposeRows; ++i) DCMHA_UNROLL
     for (int r = 0; r < kMaxRank; ++r) q[i][r] = k[i][r] = 0.0f;
   }
-  /// Adds the lane's heads' values x (head head0 + j in x.v[j]) times their weights, head by head.
+  /// Adds the lane's heads' values (head it.head(j) in x.v[j]) times their weights, in head order.
   template <class Block, class W>
   DCMHA_INLINE void add(const Block& blk, const SideWeights<W>& w, const ComposeItem& it,
                         const ItemValues& x, Direction d = Direction::forward) {
@@ -220,9 +239,8 @@ struct Projections {
       HeadWeights<W> kw;
       kw.load(blk, w.key_at(k0 + r, it.part, it.key), it.heads);
       DCMHA_UNROLL
-      for (int i = 0; i < kComposeRows; ++i) DCMHA_UNROLL
-      for (int j = 0; j < kCachedHeads; ++j)
-        if (i < it.rows && j < it.heads) k[i][r] += x.v[j][i] * kw[j];
+      for (int i = 0; i < kComposeRows; ++i)
+        if (i < it.rows) k[i][r] += dot_heads(it, x, i, kw);
     }
     DCMHA_UNROLL
     for (int i = 0; i < kComposeRows; ++i) {
@@ -232,9 +250,7 @@ struct Projections {
         if (r >= Rq) continue;
         HeadWeights<W> qw;
         qw.load(blk, w.query_at(it.weight_row0 + i, q0 + r, it.part), it.heads);
-        DCMHA_UNROLL
-        for (int j = 0; j < kCachedHeads; ++j)
-          if (j < it.heads) q[i][r] += x.v[j][i] * qw[j];
+        q[i][r] += dot_heads(it, x, i, qw);
       }
     }
     blk.count_fma(index_t(it.rows) * it.heads * (Rq + Rk));
@@ -283,9 +299,7 @@ DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const
       if (r >= Rq) continue;
       HeadWeights<W> qw;
       qw.load(blk, w.query_at(row, q0 + r, it.part), it.heads);
-      DCMHA_UNROLL
-      for (int j = 0; j < kCachedHeads; ++j)
-        if (j < it.heads) y.v[j][i] += p.q[i][r] * qw[j];
+      add_scaled_heads(it, p.q[i][r], qw, i, y);
     }
   }
   DCMHA_UNROLL
@@ -294,9 +308,7 @@ DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const
     HeadWeights<W> kw;
     kw.load(blk, w.key_at(k0 + r, it.part, it.key), it.heads);
     DCMHA_UNROLL
-    for (int i = 0; i < kComposeRows; ++i) DCMHA_UNROLL
-    for (int j = 0; j < kCachedHeads; ++j)
-      if (j < it.heads) y.v[j][i] += p.k[i][r] * kw[j];
+    for (int i = 0; i < kComposeRows; ++i) add_scaled_heads(it, p.k[i][r], kw, i, y);
   }
   blk.count_fma(index_t(it.rows) * it.heads * (2 + Rq + Rk));
 }
