@@ -319,6 +319,22 @@ TEST(CudaEmulator, CountsSectorsAndBankConflicts) {
   EXPECT_EQ(c.shared_wavefronts, 1u + 32u + 1u);
 }
 
+TEST(CudaEmulator, ABranchSomeLanesSkipDoesNotShiftTheOthers) {
+  // Half the warp stores first (banks 0-15), then every lane stores one of 32 consecutive words:
+  // two instructions of one wavefront each. Matching the lanes' accesses by index instead would
+  // pair the upper lanes' second store (banks 0-15 again) with the first: three.
+  em::Counting::enabled() = true;
+  const em::Counters c = run(32, 128 * 4, [&](const HostBlock& blk) {
+    auto* s = static_cast<float*>(blk.shared());
+    const int l = blk.thread();
+    if (l < 16) blk.store_shared(&s[64 + l], 1.0f);
+    blk.store_shared(&s[16 + l], 1.0f);
+  });
+  em::Counting::enabled() = false;
+  EXPECT_EQ(c.shared_requests, 2u);
+  EXPECT_EQ(c.shared_wavefronts, 2u);
+}
+
 TEST(CudaEmulator, CountsEachPeerWordOnce) {
   // DSMEM bytes: the distinct words of other blocks an instruction reads, whichever lanes read
   // them; a block's own memory is not DSMEM.

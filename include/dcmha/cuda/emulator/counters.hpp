@@ -1,12 +1,13 @@
 #pragma once
 // What the emulator counts per launch, for the cost model (tools/cost_model): global memory in
 // 32-byte sectors, shared memory in wavefronts (a bank-conflicted access replays), tensor-core
-// and CUDA-core operations, barriers. A warp instruction's accesses are the lanes' accesses with
-// the same index since the warp last met (at a collective or a barrier), which is exact for
-// convergent code and close for the kernels' few divergent branches.
+// and CUDA-core operations, barriers. A warp instruction's accesses are the lanes' n-th accesses
+// from one call site since the warp last met (at a collective or a barrier): exact for convergent
+// code, and a branch some lanes skip does not shift the others' accesses.
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -35,12 +36,43 @@ struct Counters {
   }
 };
 
-/// One lane's memory access, as logged between two meetings of its warp.
+/// One lane's memory access, as logged between two meetings of its warp, with its call site.
 struct LoggedAccess {
   const void* address = nullptr;
   std::uint32_t bytes = 0;
   bool shared = false, store = false, peer = false;
+  const char* file = "";
+  int line = 0;
 };
+
+/// A warp's logged accesses as instructions: the lanes' n-th accesses of one kind from one call
+/// site since the warp last met, together. Convergent code gives each instruction its lanes;
+/// a lane that skips a branch's accesses (an owner-only update) does not shift the others.
+inline std::vector<std::vector<LoggedAccess>> instructions_of(
+    const std::vector<const std::vector<LoggedAccess>*>& lanes) {
+  using Key = std::tuple<const char*, int, bool, bool, std::size_t>;
+  std::vector<std::pair<Key, const LoggedAccess*>> keyed;
+  for (const std::vector<LoggedAccess>* log : lanes) {
+    std::vector<std::pair<Key, std::size_t>> visits;  // (site and kind, occurrence so far)
+    for (const LoggedAccess& a : *log) {
+      Key site{a.file, a.line, a.shared, a.store, 0};
+      std::size_t n = 0;
+      for (auto& v : visits)
+        if (v.first == site) n = ++v.second;
+      if (n == 0) visits.push_back({site, 0});
+      std::get<4>(site) = n;
+      keyed.push_back({site, &a});
+    }
+  }
+  std::stable_sort(keyed.begin(), keyed.end(),
+                   [](const auto& x, const auto& y) { return x.first < y.first; });
+  std::vector<std::vector<LoggedAccess>> out;
+  for (std::size_t i = 0; i < keyed.size(); ++i) {
+    if (i == 0 || keyed[i].first != keyed[i - 1].first) out.emplace_back();
+    out.back().push_back(*keyed[i].second);
+  }
+  return out;
+}
 
 /// The 32-byte sectors a warp instruction's accesses touch.
 inline std::uint64_t sectors_of(const std::vector<LoggedAccess>& lanes) {

@@ -214,9 +214,9 @@ class HostBlock {
   template <class U>
   void store_shared(U* p, const U& v, Site site = Site::here()) const;
   template <class U>
-  U load_global(const U* p) const;
+  U load_global(const U* p, Site site = Site::here()) const;
   template <class U>
-  void store_global(U* p, const U& v) const;
+  void store_global(U* p, const U& v, Site site = Site::here()) const;
 
   void count_fma(index_t n) const;
   void count_exp(index_t n) const;
@@ -475,13 +475,9 @@ inline void ClusterRun::close_warp_log(int warp) {
   if (!Counting::enabled()) return;
   const int first = first_lane_of_warp(warp);
   const int width = std::min(kLanes, cluster_lanes_ - first);
-  std::size_t longest = 0;
-  for (int i = first; i < first + width; ++i) longest = std::max(longest, lane(i).log.size());
-  std::vector<LoggedAccess> same;
-  for (std::size_t k = 0; k < longest; ++k) {
-    same.clear();
-    for (int i = first; i < first + width; ++i)
-      if (k < lane(i).log.size()) same.push_back(lane(i).log[k]);
+  std::vector<const std::vector<LoggedAccess>*> lanes;
+  for (int i = first; i < first + width; ++i) lanes.push_back(&lane(i).log);
+  for (const std::vector<LoggedAccess>& same : instructions_of(lanes)) {
     const LoggedAccess& a = same.front();
     std::uint64_t bytes = 0;
     for (const LoggedAccess& x : same) bytes += x.bytes;
@@ -533,7 +529,8 @@ inline void ClusterRun::shared_access(int i, const void* p, std::size_t n, bool 
   else
     shadow_.read(offset, n, a, site, now());
   if (Counting::enabled())
-    lane(i).log.push_back({p, std::uint32_t(n), true, store, block != lane(i).block_rank});
+    lane(i).log.push_back(
+        {p, std::uint32_t(n), true, store, block != lane(i).block_rank, site.file, site.line});
 }
 
 // --- HostBlock ---------------------------------------------------------------------------------
@@ -722,8 +719,8 @@ inline void HostBlock::cp_async_16(void* dst, const void* src, bool valid, Site 
   std::memset(dst, 0xff, 16);  // NaN until the wait
   me.open.push_back(c);
   if (Counting::enabled()) {
-    if (valid) me.log.push_back({src, 16, false, false, false});
-    me.log.push_back({dst, 16, true, true, block != me.block_rank});
+    if (valid) me.log.push_back({src, 16, false, false, false, site.file, site.line});
+    me.log.push_back({dst, 16, true, true, block != me.block_rank, site.file, site.line});
   }
 }
 
@@ -764,18 +761,20 @@ void HostBlock::store_shared(U* p, const U& v, Site site) const {
 }
 
 template <class U>
-U HostBlock::load_global(const U* p) const {
+U HostBlock::load_global(const U* p, Site site) const {
   if (Counting::enabled())
-    run_->lane(lane_).log.push_back({p, std::uint32_t(sizeof(U)), false, false, false});
+    run_->lane(lane_).log.push_back(
+        {p, std::uint32_t(sizeof(U)), false, false, false, site.file, site.line});
   U v;
   std::memcpy(&v, p, sizeof(U));
   return v;
 }
 
 template <class U>
-void HostBlock::store_global(U* p, const U& v) const {
+void HostBlock::store_global(U* p, const U& v, Site site) const {
   if (Counting::enabled())
-    run_->lane(lane_).log.push_back({p, std::uint32_t(sizeof(U)), false, true, false});
+    run_->lane(lane_).log.push_back(
+        {p, std::uint32_t(sizeof(U)), false, true, false, site.file, site.line});
   std::memcpy(p, &v, sizeof(U));
 }
 
