@@ -4,12 +4,12 @@
 // blocks' tiles of the group's other heads (DSMEM). Each block composes a slice of the tile's
 // rows for all M heads and writes every head's result back to that head's owner.
 //
-// A compose item is (up to kRows rows of the slice, one key, one part of the heads): the parts of
-// an item are adjacent lanes, each summing the low-rank projections (sum_m x_m w1[r, m]) over its
-// heads, then adding them up with shuffles, then producing the outputs of its heads. An item's
-// rows share the key's weights, read once for all of them; a warp's lanes cover consecutive keys,
-// so key-wise weights ([term][head][key]) are read without bank conflicts and query-wise ones
-// ([row][term][head]) are broadcasts.
+// A compose item is (up to kComposeRows rows of the slice, one key, one part of the heads): the
+// parts of an item are adjacent lanes, each summing the low-rank projections (sum_m x_m w1[r, m])
+// over its heads, then adding them up with shuffles, then producing the outputs of its heads. A
+// lane keeps its heads' values in registers from step to step (ItemValues) and loads one term's
+// weights of all its heads at once (HeadWeights): the weights are staged with the heads in the
+// lanes' order, fastest ([row][term][slot], [key][term][slot]).
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
