@@ -123,7 +123,7 @@ class BackwardBlock {
 
   /// The compose weights' gradients along the kernel's axis are summed per pair (resident line,
   /// own head): line a row (query side) or a key (key side) of the block. A warp takes the pairs
-  /// of one head and kLines consecutive lines at a time, kWarpSize / kLines lanes per pair
+  /// of one head and lines_per_warp() consecutive lines at a time, the rest of its lanes per pair
   /// splitting the tile's other axis; the pair's first lane owns its sums, in shared memory
   /// between tiles, [pair][side][w1 r, w2 r, dd]. Query side: 4 rows x 8 keys a step, key
   /// side: 8 keys x 4 rows, so that each step reads whole bank rows of the tiles.
