@@ -261,7 +261,7 @@ class BackwardBlock {
         const index_t t = t0 + it.row0 + i;
         ranges[i] = i < it.rows && t < p_.dims.T ? mask_.row(b_, t) : detail::KeyRange{0, 0};
       }
-      chain_item<kKeySide>(blk_, cx, it, ranges, s0 + it.key, geo_.compose_parts);
+      chain_item<kKeySide>(blk_, cx, it, ranges, s0 + it.key);
     }
   }
 

@@ -6,6 +6,7 @@
 // code, and a branch some lanes skip does not shift the others' accesses.
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -50,18 +51,14 @@ struct LoggedAccess {
 /// a lane that skips a branch's accesses (an owner-only update) does not shift the others.
 inline std::vector<std::vector<LoggedAccess>> instructions_of(
     const std::vector<const std::vector<LoggedAccess>*>& lanes) {
-  using Key = std::tuple<const char*, int, bool, bool, std::size_t>;
+  using Site = std::tuple<const char*, int, bool, bool>;  // call site and kind
+  using Key = std::pair<Site, std::size_t>;               // and occurrence
   std::vector<std::pair<Key, const LoggedAccess*>> keyed;
   for (const std::vector<LoggedAccess>* log : lanes) {
-    std::vector<std::pair<Key, std::size_t>> visits;  // (site and kind, occurrence so far)
+    std::map<Site, std::size_t> visits;
     for (const LoggedAccess& a : *log) {
-      Key site{a.file, a.line, a.shared, a.store, 0};
-      std::size_t n = 0;
-      for (auto& v : visits)
-        if (v.first == site) n = ++v.second;
-      if (n == 0) visits.push_back({site, 0});
-      std::get<4>(site) = n;
-      keyed.push_back({site, &a});
+      const Site site{a.file, a.line, a.shared, a.store};
+      keyed.push_back({{site, visits[site]++}, &a});
     }
   }
   std::stable_sort(keyed.begin(), keyed.end(),
