@@ -435,6 +435,19 @@ TEST(CudaKernelsEmulated, BadArgumentsAreClearErrors) {
                                                    ranked.v(), ranked.out(), {}, ranked.compose());
             }).find("compose rank R 5: expected at most 4"),
             std::string::npos);
+  // Sequences of 2^31 keys (planned only: the kernels index keys in 32 bits).
+  dcmha::detail::ForwardParams<bf16> huge;
+  huge.dims = {1, 1, 1, 16, index_t(1) << 31, 64, 64, 1, 1};
+  EXPECT_NE(error_of([&] {
+              dcmha::cuda::forward_launch("plan", huge);
+            }).find("plan: sequence lengths T = 16, S = 2147483648: expected below 2^31"),
+            std::string::npos);
+  dcmha::detail::BackwardParams<bf16> huge_backward;
+  huge_backward.dims = huge.dims;
+  EXPECT_NE(error_of([&] {
+              dcmha::cuda::backward_launch("plan", huge_backward);
+            }).find("expected below 2^31 on the CUDA backend"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -91,6 +91,14 @@ detail::ComposeTermSets checked_terms(const char* fn, const ComposeWeights<T>& c
   return terms;
 }
 
+/// The kernels index keys and rows of a sequence in 32 bits.
+inline void check_lengths(const char* fn, const detail::AttentionDims& d) {
+  constexpr index_t kLimit = index_t(1) << 31;
+  if (d.T >= kLimit || d.S >= kLimit)
+    detail::fail(fn, ": sequence lengths T = ", d.T, ", S = ", d.S,
+                 ": expected below 2^31 on the CUDA backend");
+}
+
 /// The compose parts, dividing M: enough lanes per item that each keeps its heads' values in
 /// registers (M / parts <= kCachedHeads) and that the block's threads are busy. A planned M is
 /// a power-of-two cluster times its own heads, one warp each (at most kMaxWarps), so the cluster
@@ -185,6 +193,7 @@ template <class T>
 ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
                              const LaunchOptions& opt = {}) {
   ForwardLaunch l;
+  check_lengths(fn, p.dims);
   l.head_dim = head_dim_class(fn, p.dims.D, p.dims.Dv);
   ForwardGeometry& geo = l.geo;
   geo.terms = checked_terms(fn, p.compose);
@@ -272,6 +281,7 @@ template <class T>
 BackwardLaunch backward_launch(const char* fn, const detail::BackwardParams<T>& p,
                                const LaunchOptions& opt = {}) {
   BackwardLaunch l;
+  check_lengths(fn, p.dims);
   l.head_dim = head_dim_class(fn, p.dims.D, p.dims.Dv);
   BackwardGeometry base;
   base.terms = checked_terms(fn, p.compose);

@@ -56,10 +56,11 @@ DCMHA_INLINE void load_fragments(const Block& blk, const ScoreTile& tile, int ro
   }
 }
 
-/// The keys the lane's two rows (g and g + 8 of the warp's block) see, as logical key indices;
-/// empty for rows that are not real.
+/// The keys the lane's two rows (g and g + 8 of the warp's block) see, as logical key indices
+/// [begin, end); empty for rows that are not real. 32-bit (the plan keeps S below 2^31): a tall
+/// warp holds four rows' ranges through its loop.
 struct FragmentRows {
-  detail::KeyRange range[2];
+  int begin[2] = {0, 0}, end[2] = {0, 0};
   FragmentRows() = default;
   template <class Block>
   DCMHA_INLINE FragmentRows(const Block& blk, const detail::RowMask& mask, index_t b, index_t t0,
@@ -68,9 +69,11 @@ struct FragmentRows {
     DCMHA_UNROLL
     for (int h = 0; h < 2; ++h) {
       const int r = f.row(2 * h);
-      range[h] = r < rows_real ? mask.row(b, t0 + r) : detail::KeyRange{0, 0};
+      const detail::KeyRange range = r < rows_real ? mask.row(b, t0 + r) : detail::KeyRange{0, 0};
+      begin[h] = int(range.begin), end[h] = int(range.end);
     }
   }
+  DCMHA_INLINE bool sees(int h, int key) const { return key >= begin[h] && key < end[h]; }
 };
 
 /// Sets every element of acc whose key (s0 + its column) its row does not see to `value`.
@@ -78,10 +81,11 @@ template <int kTiles, class Block>
 DCMHA_INLINE void mask_fragments(const Block& blk, const FragmentRows& rows, index_t s0,
                                  Accumulators<kTiles>& acc, float value) {
   const FragmentPlace f(blk);
+  const int key0 = int(s0);
   DCMHA_UNROLL
   for (int j = 0; j < kTiles; ++j) DCMHA_UNROLL
   for (int i = 0; i < 4; ++i)
-    if (!rows.range[i / 2].contains(s0 + 8 * j + f.column(i))) acc.c[j][i] = value;
+    if (!rows.sees(i / 2, key0 + 8 * j + f.column(i))) acc.c[j][i] = value;
 }
 
 /// The maximum over a row's values held by the 4 lanes of a quad.

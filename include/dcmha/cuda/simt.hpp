@@ -38,6 +38,18 @@ template <class Block>
 DCMHA_INLINE int lane_of(const Block& blk) {
   return blk.thread() % kWarpSize;
 }
+/// The lane, hidden from the compiler's loop-invariant code motion. The products' ldmatrix
+/// addresses (a swizzled chunk per k step: 8 per operand at head dim 128) are then recomputed at
+/// each call, a few integer operations, instead of being hoisted out of the key loop into
+/// registers that the output accumulators need.
+template <class Block>
+DCMHA_INLINE int unhoisted_lane_of(const Block& blk) {
+  int lane = lane_of(blk);
+#ifdef __CUDA_ARCH__
+  asm volatile("" : "+r"(lane));
+#endif
+  return lane;
+}
 template <class Block>
 DCMHA_INLINE int warp_of(const Block& blk) {
   return blk.thread() / kWarpSize;

@@ -89,7 +89,7 @@ template <int kTiles, class Block, class T>
 DCMHA_INLINE void product_rows_rows(const Block& blk, const OperandTile<T>& a, int a0,
                                     const OperandTile<T>& b, int b0, int depth,
                                     Accumulators<kTiles>& acc) {
-  const int l = lane_of(blk);
+  const int l = unhoisted_lane_of(blk);
   if constexpr (kTensorCoreType<T>) {
     static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
     for (int k0 = 0; k0 < depth; k0 += 16) {
@@ -116,7 +116,7 @@ template <int kTiles, class Block, class T>
 DCMHA_INLINE void product_rows_cols(const Block& blk, const OperandTile<T>& a, int a0,
                                     const OperandTile<T>& b, int b_k0, int b_n0, int depth,
                                     Accumulators<kTiles>& acc) {
-  const int l = lane_of(blk);
+  const int l = unhoisted_lane_of(blk);
   if constexpr (kTensorCoreType<T>) {
     static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
     for (int k0 = 0; k0 < depth; k0 += 16) {
@@ -145,7 +145,7 @@ template <int kTiles, class Block, class T>
 DCMHA_INLINE void product_cols_cols(const Block& blk, const OperandTile<T>& a, int a_m0,
                                     const OperandTile<T>& b, int b_n0, int depth,
                                     Accumulators<kTiles>& acc) {
-  const int l = lane_of(blk);
+  const int l = unhoisted_lane_of(blk);
   if constexpr (kTensorCoreType<T>) {
     static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
     for (int k0 = 0; k0 < depth; k0 += 16) {
@@ -184,7 +184,7 @@ DCMHA_INLINE void product_fragments_cols(const Block& blk, const Accumulators<kK
                                          const OperandTile<T>& v, int v_k0,
                                          Accumulators<kTiles>& acc) {
   static_assert(kTensorCoreType<T>, "float storage takes P through a tile");
-  const int l = lane_of(blk);
+  const int l = unhoisted_lane_of(blk);
   DCMHA_UNROLL
   for (int s = 0; s < kKeyTiles / 2; ++s) {
     const float* lo = p.c[2 * s];
