@@ -153,6 +153,34 @@ TEST(CudaKernelsEmulated, TensorCoreStorageTypes) {
   check_case<bf16>(dcmha::test::with_launch(s), seed++);
 }
 
+TEST(CudaKernelsEmulated, MhaWarpsOfThirtyTwoRows) {
+  // MHA's registers mode in bf16 and fp16 gives a warp two 16-row tiles sharing each K and V
+  // fragment: planned tiles (a second row tile past the last real row), forced tiles of 32 and
+  // 128 rows, windows, per-sequence lengths, split keys, head dims 128 (tall) and 256 (16 rows).
+  ProblemSpec s = tiled_spec();
+  s.pre = s.post = SideSpec::none();
+  s.D = 16, s.Dv = 24;
+  uint64_t seed = 80;
+  for (index_t rows : {0, 32, 128}) {
+    check_case<bf16>(dcmha::test::with_launch(s, tiles(rows)), seed++);
+    check_case<half>(dcmha::test::with_launch(s, tiles(rows)), seed++);
+  }
+  s.window = 5, s.T = 45, s.S = 40;
+  check_case<bf16>(dcmha::test::with_launch(s), seed++);
+  s.window = 0, s.T = 40, s.S = 300;
+  check_case<bf16>(dcmha::test::with_launch(s, tiles(32, 0, 3)), seed++);
+  Case c = dcmha::test::with_launch(s, tiles(64));
+  c.spec.B = 3, c.spec.S = 45;
+  c.query_lengths = {40, 17, 0};
+  c.key_lengths = {45, 30, 3};
+  check_case<half>(c, seed++);
+  s.T = 33, s.S = 36, s.B = 1;
+  for (int64_t d : {128, 256}) {
+    s.D = s.Dv = d;
+    check_case<bf16>(dcmha::test::with_launch(s), seed++);
+  }
+}
+
 TEST(CudaKernelsEmulated, MasksAndWindows) {
   ProblemSpec s = tiled_spec();
   struct Mask {
@@ -339,6 +367,12 @@ TEST(CudaKernelsEmulated, LaunchPlans) {
   EXPECT_EQ(m.geo.mode, dcmha::cuda::ForwardMode::registers);
   EXPECT_EQ(m.geo.cluster, 1);
   EXPECT_EQ(m.geo.rows, 128);
+  EXPECT_EQ(m.geo.warp_rows, 32);  // FlashAttention-2's warps: 4 of 32 rows
+  EXPECT_EQ(m.geo.warps, 4);
+  EXPECT_EQ(official.geo.warp_rows, 16);  // compose items take the warps' rows 16 at a time
+  mha.dims.D = mha.dims.Dv = 256;         // 32 rows' accumulators would not fit the registers
+  EXPECT_EQ(dcmha::cuda::forward_launch("plan", mha).geo.warp_rows, 16);
+  mha.dims.D = mha.dims.Dv = 128;
   mha.dims = {1, 32, 32, 1, 4096, 128, 128, 32, 1};
   EXPECT_GT(dcmha::cuda::forward_launch("plan", mha).geo.splits, 1);
   // The official backward fits both sides.

@@ -84,22 +84,30 @@ inline LaunchOptions with_device(const char* fn, LaunchOptions opt) {
   return opt;
 }
 
+/// The forward's launches with warps of kRowTiles 16-row tiles.
+template <class T, int kHeadDim, int kRowTiles>
+void run_forward_launches(const char* fn, const detail::ForwardParams<T>& p, const ForwardLaunch& l,
+                          const KeySplit& split, cudaStream_t stream) {
+  auto* kernel = forward_kernel<T, kHeadDim, kRowTiles>;
+  if (l.geo.splits == 1) {
+    launch(fn, kernel, l.blocks, stream, p, l.geo, split);
+    return;
+  }
+  launch(fn, kernel, l.blocks, stream, p, l.phase(ForwardPhase::split_statistics), split);
+  launch(fn, combine_statistics_kernel<T>, l.per_sequence, stream, p, split);
+  launch(fn, kernel, l.blocks, stream, p, l.phase(ForwardPhase::split_values), split);
+  launch(fn, sum_splits_kernel<T>, l.per_sequence, stream, p, split);
+}
+
 /// The forward's kernels of one head-dim class on a planned, staged call: one launch, or a split
 /// forward's four. A function of its own per (T, kHeadDim), so that a project can compile each
 /// class in a translation unit of its own (tests/cuda/ does).
 template <class T, int kHeadDim>
 void run_forward_kernels(const char* fn, const detail::ForwardParams<T>& p, const ForwardLaunch& l,
                          const KeySplit& split, cudaStream_t stream) {
-  if (l.geo.splits == 1) {
-    launch(fn, forward_kernel<T, kHeadDim>, l.blocks, stream, p, l.geo, split);
-    return;
-  }
-  launch(fn, forward_kernel<T, kHeadDim>, l.blocks, stream, p,
-         l.phase(ForwardPhase::split_statistics), split);
-  launch(fn, combine_statistics_kernel<T>, l.per_sequence, stream, p, split);
-  launch(fn, forward_kernel<T, kHeadDim>, l.blocks, stream, p, l.phase(ForwardPhase::split_values),
-         split);
-  launch(fn, sum_splits_kernel<T>, l.per_sequence, stream, p, split);
+  if constexpr (kTallWarps<T, kHeadDim>)
+    if (l.geo.warp_rows == 32) return run_forward_launches<T, kHeadDim, 2>(fn, p, l, split, stream);
+  run_forward_launches<T, kHeadDim, 1>(fn, p, l, split, stream);
 }
 
 /// The backward's query-side and key-side kernels of one head-dim class.

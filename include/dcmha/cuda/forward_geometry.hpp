@@ -20,6 +20,12 @@ enum class ForwardMode : int {
 /// The forward's launch pieces (split keys: statistics, their combination, values, their sum).
 enum class ForwardPhase : int { whole, split_statistics, split_values };
 
+/// Whether MHA's registers mode gives each warp 32 rows (two m16 tiles sharing each K and V
+/// fragment, as FlashAttention-2's warps do): tensor-core types up to head dim 128. At 256 the
+/// output accumulators of 32 rows (256 floats a lane) would not fit the registers.
+template <class T, int kHeadDim>
+constexpr bool kTallWarps = kHeadDim <= 128 && kTensorCoreType<T>;
+
 /// Where the forward's arrays sit in a block's shared memory (byte offsets).
 struct ForwardLayout {
   std::uint32_t q = 0;  // [own head][rows][kHeadDim]
@@ -36,12 +42,13 @@ struct ForwardLayout {
 struct ForwardGeometry {
   ForwardMode mode = ForwardMode::registers;
   ForwardPhase phase = ForwardPhase::whole;
-  int M = 1;          // heads per compose group
-  int cluster = 1;    // blocks that share a query tile, each owning own_heads of the M heads
-  int own_heads = 1;  // M / cluster
-  int kv_slots = 1;   // key/value heads the own heads read (GQA)
-  int rows = 16;      // query rows per block, a multiple of 16
-  int warps = 1;      // own_heads * rows / 16: one (head, 16 rows) item per warp
+  int M = 1;           // heads per compose group
+  int cluster = 1;     // blocks that share a query tile, each owning own_heads of the M heads
+  int own_heads = 1;   // M / cluster
+  int kv_slots = 1;    // key/value heads the own heads read (GQA)
+  int rows = 16;       // query rows per block, a multiple of warp_rows
+  int warp_rows = 16;  // 16, or 32 for tall warps (kTallWarps)
+  int warps = 1;       // own_heads * rows / warp_rows: one (head, warp_rows rows) item per warp
   int D = 0, Dv = 0;
   bool chunked_q = false, chunked_k = false, chunked_v = false;  // rows staged by cp.async
   int slice_rows = 16;    // rows / cluster: the rows this block composes

@@ -2,9 +2,11 @@
 // The forward (and decode) kernel body. One cluster of `cluster` blocks per (query tile of `rows`
 // rows, compose group, sequence); each block owns `own_heads` of the group's M heads and one warp
 // per (own head, 16 rows): the warp's Q rows stay in shared memory, its output accumulators in
-// registers, and it takes the key tiles' products on the tensor cores. Between the products the
-// block composes its slice of the tile's rows for all M heads (compose_pass.hpp), reading the
-// other heads' scores from its cluster's blocks.
+// registers, and it takes the key tiles' products on the tensor cores. MHA's registers mode gives
+// a warp 32 rows instead (kRowTiles = 2, as FlashAttention-2's warps): its two m16 tiles share
+// each K and V fragment, which halves the shared-memory reads of K and V per (query, key). Between
+// the products the block composes its slice of the tile's rows for all M heads (compose_pass.hpp),
+// reading the other heads' scores from its cluster's blocks.
 //
 // Per key tile, while the next tile's K (and V) rows land by cp.async in the other stage:
 //   registers  S = Q K^T, mask, online softmax, O += P V: FlashAttention-2, nothing in between
@@ -31,10 +33,14 @@
 
 namespace dcmha::cuda {
 
-template <class T, int kHeadDim, class Block>
+template <class T, int kHeadDim, class Block, int kRowTiles = 1>
 class ForwardKernel {
  public:
   static constexpr int kKeyTiles = kKeys / 8, kValueTiles = kHeadDim / 8;
+  static constexpr int kWarpRows = 16 * kRowTiles;
+  /// Warps of two row tiles run the registers mode only: nothing of Compose is compiled in.
+  static constexpr bool kComposes = kRowTiles == 1;
+  static_assert(kRowTiles == 1 || kTensorCoreType<T>, "tall warps take P from registers");
 
   DCMHA_INLINE ForwardKernel(const Block& blk, const detail::ForwardParams<T>& p,
                              const ForwardGeometry& geo, const KeySplit& split)
@@ -47,8 +53,8 @@ class ForwardKernel {
     t0_ = index_t(tile_) * geo.rows;
     rows_real_ = p.dims.T - t0_ < geo.rows ? int(p.dims.T - t0_) : geo.rows;
     const int w = warp_of(blk);
-    own_ = w / (geo.rows / 16);
-    row0_ = w % (geo.rows / 16) * 16;
+    own_ = w / (geo.rows / kWarpRows);
+    row0_ = w % (geo.rows / kWarpRows) * kWarpRows;
     head_ = g_ * geo.M + rank_ * geo.own_heads + own_;
     const index_t heads_per_kv = p.dims.H / p.dims.Hk;
     kv_first_ = (g_ * geo.M + rank_ * geo.own_heads) / heads_per_kv;
@@ -66,7 +72,7 @@ class ForwardKernel {
     } else if (geo_.phase == ForwardPhase::split_statistics) {
       statistics_pass(keys);
       store_split_statistics();
-    } else if (geo_.mode == ForwardMode::two_pass) {
+    } else if (kComposes && geo_.mode == ForwardMode::two_pass) {
       statistics_pass(keys);
       finish_statistics();
       values_pass(keys);
@@ -112,9 +118,13 @@ class ForwardKernel {
     blk_.cp_async_commit();
     stage_query_weights(0, p_.compose.pre);
     if (geo_.mode == ForwardMode::two_pass) stage_query_weights(1, p_.compose.post);
-    rows_ = FragmentRows(blk_, mask_, b_, t0_ + row0_, rows_real_ - row0_);
-    state_[0] = state_[1] = detail::SoftmaxState<float>{};
-    out_.zero();
+    DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m) {
+      const int r0 = row0_ + 16 * m;
+      rows_[m] = FragmentRows(blk_, mask_, b_, t0_ + r0, rows_real_ - r0);
+      state_[m][0] = state_[m][1] = detail::SoftmaxState<float>{};
+      out_[m].zero();
+    }
   }
 
   /// Query-wise (and static) weights of the block's slice rows.
@@ -178,13 +188,12 @@ class ForwardKernel {
 
   // --- the passes ------------------------------------------------------------------------------
 
-  /// S = scale Q K^T of the warp's head and rows.
-  DCMHA_INLINE Scores scores(int stage) const {
-    Scores s;
-    s.zero();
+  /// S = Q K^T of the warp's head and rows (unscaled), a row tile each.
+  DCMHA_INLINE void scores(int stage, Scores (&s)[kRowTiles]) const {
+    DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m) s[m].zero();
     const int depth = (geo_.D + 15) / 16 * 16;
     product_rows_rows(blk_, sh().q().head(own_), row0_, sh().k(stage).head(kv_slot_), 0, depth, s);
-    return s;
   }
 
   DCMHA_INLINE float scale() const { return float(p_.scale); }
@@ -192,7 +201,9 @@ class ForwardKernel {
   /// The scores of the tile at s0 into the block's score tiles, Compose_pre on the block's slice
   /// with its output in the own heads' tiles (composed_tiles()); ends with the cluster synced.
   DCMHA_INLINE void composed_scores(index_t s0, int stage, bool post_keys) {
-    store_fragments(blk_, scores(stage), sh().scores().head(own_), row0_, 0, scale());
+    Scores s[1];
+    scores(stage, s);
+    store_fragments(blk_, s[0], sh().scores().head(own_), row0_, 0, scale());
     stage_key_weights(0, p_.compose.pre, s0);
     if (post_keys) stage_key_weights(1, p_.compose.post, s0);
     blk_.sync_cluster();
@@ -203,21 +214,22 @@ class ForwardKernel {
   /// The warp's composed scores of the tile at s0, masked (-inf where a row does not see a key):
   /// in registers (registers mode), or through the score tiles and Compose_pre on the block's
   /// slice.
-  DCMHA_INLINE Scores composed_fragments(index_t s0, int stage) {
-    Scores s;
-    if (geo_.mode == ForwardMode::registers) {
-      s = scores(stage);
+  DCMHA_INLINE void composed_fragments(index_t s0, int stage, Scores (&s)[kRowTiles]) {
+    if (!kComposes || geo_.mode == ForwardMode::registers) {
+      scores(stage, s);
       DCMHA_UNROLL
+      for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
       for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
-      for (int i = 0; i < 4; ++i) s.c[j][i] *= scale();
-    } else {
+      for (int i = 0; i < 4; ++i) s[m].c[j][i] *= scale();
+    } else if constexpr (kComposes) {
       composed_scores(s0, stage, false);
       if (geo_.composes()) compose_scores(s0);
       blk_.sync_cluster();
-      load_fragments(blk_, composed_tiles().head(own_), row0_, 0, s);
+      load_fragments(blk_, composed_tiles().head(own_), row0_, 0, s[0]);
     }
-    mask_fragments(blk_, rows_, s0, s, detail::negative_infinity<float>());
-    return s;
+    DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m)
+      mask_fragments(blk_, rows_[m], s0, s[m], detail::negative_infinity<float>());
   }
 
   /// Pass 1: the rows' statistics of the composed scores.
@@ -225,9 +237,13 @@ class ForwardKernel {
     int stage = 0;
     for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
       key_tile(s0, keys, stage, false);
-      Scores s = composed_fragments(s0, stage);
-      float factor[2];
-      online_softmax(blk_, s, state_, factor);
+      Scores s[kRowTiles];
+      composed_fragments(s0, stage, s);
+      DCMHA_UNROLL
+      for (int m = 0; m < kRowTiles; ++m) {
+        float factor[2];
+        online_softmax(blk_, s[m], state_[m], factor);
+      }
     }
   }
 
@@ -236,18 +252,22 @@ class ForwardKernel {
     int stage = 0;
     for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
       key_tile(s0, keys, stage, true);
-      Scores s = composed_fragments(s0, stage);
-      float factor[2];
-      online_softmax(blk_, s, state_, factor);
+      Scores s[kRowTiles];
+      composed_fragments(s0, stage, s);
       DCMHA_UNROLL
-      for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
-      for (int i = 0; i < 4; ++i) out_.c[j][i] *= factor[i / 2];
+      for (int m = 0; m < kRowTiles; ++m) {
+        float factor[2];
+        online_softmax(blk_, s[m], state_[m], factor);
+        DCMHA_UNROLL
+        for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
+        for (int i = 0; i < 4; ++i) out_[m].c[j][i] *= factor[i / 2];
+      }
       accumulate_values(s);
     }
   }
 
   /// O += P V with P the warp's own fragments (after wait_values()).
-  DCMHA_INLINE void accumulate_values(const Scores& probabilities) {
+  DCMHA_INLINE void accumulate_values(const Scores (&probabilities)[kRowTiles]) {
     wait_values();
     if constexpr (kTensorCoreType<T>) {
       product_fragments_cols(blk_, probabilities, sh().v().head(kv_slot_), 0, out_);
@@ -258,9 +278,10 @@ class ForwardKernel {
       DCMHA_UNROLL
       for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
       for (int i = 0; i < 4; ++i)
-        blk_.store_shared(tile.at(row0_ + f.row(i), 8 * j + f.column(i)), T(probabilities.c[j][i]));
+        blk_.store_shared(tile.at(row0_ + f.row(i), 8 * j + f.column(i)),
+                          T(probabilities[0].c[j][i]));
       blk_.sync_warp();
-      product_rows_cols(blk_, tile, row0_, sh().v().head(kv_slot_), 0, 0, kKeys, out_);
+      product_rows_cols(blk_, tile, row0_, sh().v().head(kv_slot_), 0, 0, kKeys, out_[0]);
     }
   }
 
@@ -270,28 +291,32 @@ class ForwardKernel {
     int stage = 0;
     for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
       key_tile(s0, keys, stage, true);
-      if (geo_.mode == ForwardMode::two_pass) {
-        composed_scores(s0, stage, true);
-        compose_probabilities(s0);
-        blk_.sync_cluster();
-        wait_values();
-        product_rows_cols(blk_, sh().probs().head(own_), row0_, sh().v().head(kv_slot_), 0, 0,
-                          kKeys, out_);
-        continue;
+      if constexpr (kComposes) {
+        if (geo_.mode == ForwardMode::two_pass) {
+          composed_scores(s0, stage, true);
+          compose_probabilities(s0);
+          blk_.sync_cluster();
+          wait_values();
+          product_rows_cols(blk_, sh().probs().head(own_), row0_, sh().v().head(kv_slot_), 0, 0,
+                            kKeys, out_[0]);
+          continue;
+        }
       }
-      Scores s = composed_fragments(s0, stage);
-      probabilities_of_fragments(s);
+      Scores s[kRowTiles];
+      composed_fragments(s0, stage, s);
+      DCMHA_UNROLL
+      for (int m = 0; m < kRowTiles; ++m) probabilities_of_fragments(m, s[m]);
       accumulate_values(s);
     }
   }
 
-  /// exp(s - lse) of the warp's rows (lse in shared memory), 0 for rows that see no key.
-  DCMHA_INLINE void probabilities_of_fragments(Scores& s) const {
+  /// exp(s - lse) of the warp's row tile m (lse in shared memory), 0 for rows that see no key.
+  DCMHA_INLINE void probabilities_of_fragments(int m, Scores& s) const {
     using std::exp;
     const FragmentPlace f(blk_);
     DCMHA_UNROLL
     for (int h = 0; h < 2; ++h) {
-      const float l = blk_.load_shared(sh().lse(own_, row0_ + f.row(2 * h)));
+      const float l = blk_.load_shared(sh().lse(own_, row0_ + 16 * m + f.row(2 * h)));
       DCMHA_UNROLL
       for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
       for (int i = 2 * h; i < 2 * h + 2; ++i)
@@ -430,9 +455,10 @@ class ForwardKernel {
   DCMHA_INLINE void finish_statistics() {
     const FragmentPlace f(blk_);
     DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
     for (int h = 0; h < 2; ++h) {
-      const int r = row0_ + f.row(2 * h);
-      const float l = state_[h].lse();
+      const int r = row0_ + 16 * m + f.row(2 * h);
+      const float l = state_[m][h].lse();
       if (f.t == 0) {
         blk_.store_shared(sh().lse(own_, r), l);
         if (r < rows_real_ && !p_.lse.empty()) blk_.store_global(&p_.lse(b_, head_, t0_ + r), l);
@@ -445,12 +471,13 @@ class ForwardKernel {
     const FragmentPlace f(blk_);
     const index_t qlen = query_length();
     DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
     for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
     for (int i = 0; i < 4; ++i) {
-      const int r = row0_ + f.row(i), e = 8 * j + f.column(i);
+      const int r = row0_ + 16 * m + f.row(i), e = 8 * j + f.column(i);
       if (r >= rows_real_ || e >= geo_.Dv) continue;
-      const float sum = state_[i / 2].sum;
-      float x = out_.c[j][i];
+      const float sum = state_[m][i / 2].sum;
+      float x = out_[m].c[j][i];
       if (normalize) x = sum > 0 ? x / sum : 0.0f;
       if (t0_ + r >= qlen) x = 0.0f;  // padding rows: zero output
       blk_.store_global(&p_.out(b_, head_, t0_ + r, e), T(x));
@@ -467,20 +494,22 @@ class ForwardKernel {
   DCMHA_INLINE void store_split_statistics() {
     const FragmentPlace f(blk_);
     DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
     for (int h = 0; h < 2; ++h) {
-      const int r = row0_ + f.row(2 * h);
+      const int r = row0_ + 16 * m + f.row(2 * h);
       if (f.t != 0 || r >= rows_real_) continue;
       float* stats = split_.stats + 2 * (split_index_ * rows_total() + row_index(r));
-      blk_.store_global(stats, state_[h].max);
-      blk_.store_global(stats + 1, state_[h].sum);
+      blk_.store_global(stats, state_[m][h].max);
+      blk_.store_global(stats + 1, state_[m][h].sum);
     }
   }
 
   DCMHA_INLINE void load_split_lse() {
     const FragmentPlace f(blk_);
     DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
     for (int h = 0; h < 2; ++h) {
-      const int r = row0_ + f.row(2 * h);
+      const int r = row0_ + 16 * m + f.row(2 * h);
       if (f.t != 0) continue;
       const float l = r < rows_real_ ? blk_.load_global(split_.lse + row_index(r))
                                      : detail::negative_infinity<float>();
@@ -491,12 +520,13 @@ class ForwardKernel {
   DCMHA_INLINE void store_split_output() {
     const FragmentPlace f(blk_);
     DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
     for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
     for (int i = 0; i < 4; ++i) {
-      const int r = row0_ + f.row(i), e = 8 * j + f.column(i);
+      const int r = row0_ + 16 * m + f.row(i), e = 8 * j + f.column(i);
       if (r >= rows_real_ || e >= geo_.Dv) continue;
       blk_.store_global(split_.out + (split_index_ * rows_total() + row_index(r)) * p_.dims.Dv + e,
-                        out_.c[j][i]);
+                        out_[m].c[j][i]);
     }
   }
 
@@ -510,9 +540,9 @@ class ForwardKernel {
   int rank_ = 0, tile_ = 0, own_ = 0, row0_ = 0, kv_slot_ = 0, slice_begin_ = 0, rows_real_ = 0;
   int split_index_ = 0;
   index_t g_ = 0, b_ = 0, t0_ = 0, head_ = 0, kv_first_ = 0;
-  FragmentRows rows_;
-  detail::SoftmaxState<float> state_[2];
-  Values out_;
+  FragmentRows rows_[kRowTiles];
+  detail::SoftmaxState<float> state_[kRowTiles][2];
+  Values out_[kRowTiles];
 };
 
 /// A split forward's second launch, one block per sequence: each row's lse from the splits'

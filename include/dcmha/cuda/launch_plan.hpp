@@ -9,7 +9,8 @@
 //   - the cluster: the M heads of a compose group are split over `cluster` blocks of one cluster
 //     (a divisor of M, at most the device's cluster size), each owning M / cluster heads;
 //   - the rows: the most (up to 128) whose tiles fit the shared memory, with one warp per
-//     (own head, 16 rows) and at most 8 warps; among equal rows, the smallest cluster;
+//     (own head, 16 rows) and at most 8 warps; among equal rows, the smallest cluster; MHA's
+//     registers mode gives a warp 32 rows where the type and head dim allow (kTallWarps);
 //   - key splits where the query tiles are few and the keys many (decode).
 #include <algorithm>
 #include <string>
@@ -205,11 +206,15 @@ ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
   geo.chunked_k = rows_are_chunked(p.k);
   geo.chunked_v = rows_are_chunked(p.v);
   const bool fits = dispatch_head_dim(l.head_dim, [&](auto head_dim) {
+    constexpr int kHeadDim = decltype(head_dim)::value;
     return fit_tiles(geo, int(p.dims.M), p.dims.T, opt.rows, opt, [&](ForwardGeometry& g) {
+      const bool tall = kTallWarps<T, kHeadDim> && g.mode == ForwardMode::registers;
+      g.warp_rows = tall && g.rows % 32 == 0 ? 32 : 16;
+      g.warps = g.own_heads * g.rows / g.warp_rows;
       g.kv_slots = kv_slots_of(p.dims.H, p.dims.Hk, g.own_heads);
       g.slice_rows = g.rows / g.cluster;
       g.compose_parts = compose_parts(g.M, g.slice_rows, g.threads());
-      g.template lay_out<T, decltype(head_dim)::value>();
+      g.template lay_out<T, kHeadDim>();
       return g.shared_bytes;
     });
   });

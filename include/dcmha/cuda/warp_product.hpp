@@ -1,9 +1,10 @@
 #pragma once
 // The tile products of one warp: a 16-row block of C (float accumulators, m16n8 fragments)
-// plus A x B, with A and B in shared-memory operand tiles (tile_layout.hpp). For bf16 and fp16
-// storage the products are mma.sync.m16n8k16 with operands loaded by ldmatrix (.trans where the
-// tile holds the operand's k index along its rows); float storage has no tensor-core path of
-// the same precision and computes the same fragments on CUDA cores.
+// plus A x B (or two such blocks sharing B's fragments), with A and B in shared-memory operand
+// tiles (tile_layout.hpp). For bf16 and fp16 storage the products are mma.sync.m16n8k16 with
+// operands loaded by ldmatrix (.trans where the tile holds the operand's k index along its rows);
+// float storage has no tensor-core path of the same precision and computes the same fragments on
+// CUDA cores.
 //
 // Three shapes cover every product of the forward and backward (k: the summed index):
 //   rows x rows   C[m][n] += sum_k a(m, k) b(n, k)   Q K^T, dO V^T, K Q^T, V dO^T
@@ -83,32 +84,60 @@ DCMHA_INLINE void scalar_product(const Block& blk, Accumulators<kTiles>& acc, in
 
 }  // namespace product_detail
 
+namespace product_detail {
+
+/// acc[m] += a(a0 + 16 m + r, k) b(b0 + n, k): kRowTiles 16-row blocks of A sharing each B
+/// fragment (a warp of 32 rows loads K once for both of its m16 tiles).
+template <int kRowTiles, int kTiles, class Block, class T>
+DCMHA_INLINE void rows_rows(const Block& blk, const OperandTile<T>& a, int a0,
+                            const OperandTile<T>& b, int b0, int depth, Accumulators<kTiles>* acc) {
+  const int l = unhoisted_lane_of(blk);
+  if constexpr (kTensorCoreType<T>) {
+    static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+    for (int k0 = 0; k0 < depth; k0 += 16) {
+      std::uint32_t af[kRowTiles][4];
+      DCMHA_UNROLL
+      for (int m = 0; m < kRowTiles; ++m)
+        blk.ldmatrix_x4(af[m], a.chunk(a0 + 16 * m + l % 16, k0 / 8 + l / 16));
+      DCMHA_UNROLL
+      for (int j = 0; j < kTiles; j += 2) {
+        std::uint32_t bf[4];
+        blk.ldmatrix_x4(bf, b.chunk(b0 + 8 * j + l % 8 + 8 * (l / 16), k0 / 8 + (l / 8) % 2));
+        const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
+        DCMHA_UNROLL
+        for (int m = 0; m < kRowTiles; ++m) {
+          mma<T>(blk, acc[m].c[j], af[m], b_lo);
+          mma<T>(blk, acc[m].c[j + 1], af[m], b_hi);
+        }
+      }
+    }
+  } else {
+    DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m)
+      scalar_product(
+          blk, acc[m], depth,
+          [&](int r, int k) { return blk.load_shared(a.at(a0 + 16 * m + r, k)); },
+          [&](int k, int n) { return blk.load_shared(b.at(b0 + n, k)); });
+  }
+}
+
+}  // namespace product_detail
+
 /// acc += a(a0 + m, k) b(b0 + n, k) over k < depth (a multiple of 16; the tiles' columns up to
 /// depth hold zeros past the data).
 template <int kTiles, class Block, class T>
 DCMHA_INLINE void product_rows_rows(const Block& blk, const OperandTile<T>& a, int a0,
                                     const OperandTile<T>& b, int b0, int depth,
                                     Accumulators<kTiles>& acc) {
-  const int l = unhoisted_lane_of(blk);
-  if constexpr (kTensorCoreType<T>) {
-    static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
-    for (int k0 = 0; k0 < depth; k0 += 16) {
-      std::uint32_t af[4];
-      blk.ldmatrix_x4(af, a.chunk(a0 + l % 16, k0 / 8 + l / 16));
-      DCMHA_UNROLL
-      for (int j = 0; j < kTiles; j += 2) {
-        std::uint32_t bf[4];
-        blk.ldmatrix_x4(bf, b.chunk(b0 + 8 * j + l % 8 + 8 * (l / 16), k0 / 8 + (l / 8) % 2));
-        const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
-        product_detail::mma<T>(blk, acc.c[j], af, b_lo);
-        product_detail::mma<T>(blk, acc.c[j + 1], af, b_hi);
-      }
-    }
-  } else {
-    product_detail::scalar_product(
-        blk, acc, depth, [&](int m, int k) { return blk.load_shared(a.at(a0 + m, k)); },
-        [&](int k, int n) { return blk.load_shared(b.at(b0 + n, k)); });
-  }
+  product_detail::rows_rows<1>(blk, a, a0, b, b0, depth, &acc);
+}
+
+/// The same for kRowTiles consecutive 16-row blocks of A: acc[m] takes rows a0 + 16 m.
+template <int kTiles, int kRowTiles, class Block, class T>
+DCMHA_INLINE void product_rows_rows(const Block& blk, const OperandTile<T>& a, int a0,
+                                    const OperandTile<T>& b, int b0, int depth,
+                                    Accumulators<kTiles> (&acc)[kRowTiles]) {
+  product_detail::rows_rows<kRowTiles>(blk, a, a0, b, b0, depth, acc);
 }
 
 /// acc += a(a0 + m, k) b(b_k0 + k, b_n0 + n) over k < depth (a multiple of 16).
@@ -175,6 +204,40 @@ DCMHA_INLINE std::uint32_t pack_pair(float lo, float hi) {
          (std::uint32_t(Eigen::numext::bit_cast<std::uint16_t>(b)) << 16);
 }
 
+namespace product_detail {
+
+/// acc[m] += p[m] v for kRowTiles blocks sharing each V fragment (product_fragments_cols).
+template <int kRowTiles, int kTiles, int kKeyTiles, class Block, class T>
+DCMHA_INLINE void fragments_cols(const Block& blk, const Accumulators<kKeyTiles>* p,
+                                 const OperandTile<T>& v, int v_k0, Accumulators<kTiles>* acc) {
+  static_assert(kTensorCoreType<T>, "float storage takes P through a tile");
+  const int l = unhoisted_lane_of(blk);
+  DCMHA_UNROLL
+  for (int s = 0; s < kKeyTiles / 2; ++s) {
+    std::uint32_t af[kRowTiles][4];
+    DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m) {
+      const float* lo = p[m].c[2 * s];
+      const float* hi = p[m].c[2 * s + 1];
+      af[m][0] = pack_pair<T>(lo[0], lo[1]), af[m][1] = pack_pair<T>(lo[2], lo[3]);
+      af[m][2] = pack_pair<T>(hi[0], hi[1]), af[m][3] = pack_pair<T>(hi[2], hi[3]);
+    }
+    DCMHA_UNROLL
+    for (int j = 0; j < kTiles; j += 2) {
+      std::uint32_t bf[4];
+      blk.ldmatrix_x4_trans(bf, v.chunk(v_k0 + 16 * s + l % 8 + 8 * ((l / 8) % 2), j + l / 16));
+      const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
+      DCMHA_UNROLL
+      for (int m = 0; m < kRowTiles; ++m) {
+        mma<T>(blk, acc[m].c[j], af[m], b_lo);
+        mma<T>(blk, acc[m].c[j + 1], af[m], b_hi);
+      }
+    }
+  }
+}
+
+}  // namespace product_detail
+
 /// acc += p v where p is a warp's own accumulator block (16 x 8 kKeyTiles: probabilities in
 /// registers, rounded to T as the tensor cores take them) and v's rows v_k0 + k are the k index:
 /// P V of MHA straight from the scores' fragments, since an m16n8 C fragment pair is an m16k16 A
@@ -183,23 +246,16 @@ template <int kTiles, int kKeyTiles, class Block, class T>
 DCMHA_INLINE void product_fragments_cols(const Block& blk, const Accumulators<kKeyTiles>& p,
                                          const OperandTile<T>& v, int v_k0,
                                          Accumulators<kTiles>& acc) {
-  static_assert(kTensorCoreType<T>, "float storage takes P through a tile");
-  const int l = unhoisted_lane_of(blk);
-  DCMHA_UNROLL
-  for (int s = 0; s < kKeyTiles / 2; ++s) {
-    const float* lo = p.c[2 * s];
-    const float* hi = p.c[2 * s + 1];
-    const std::uint32_t af[4] = {pack_pair<T>(lo[0], lo[1]), pack_pair<T>(lo[2], lo[3]),
-                                 pack_pair<T>(hi[0], hi[1]), pack_pair<T>(hi[2], hi[3])};
-    DCMHA_UNROLL
-    for (int j = 0; j < kTiles; j += 2) {
-      std::uint32_t bf[4];
-      blk.ldmatrix_x4_trans(bf, v.chunk(v_k0 + 16 * s + l % 8 + 8 * ((l / 8) % 2), j + l / 16));
-      const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
-      product_detail::mma<T>(blk, acc.c[j], af, b_lo);
-      product_detail::mma<T>(blk, acc.c[j + 1], af, b_hi);
-    }
-  }
+  product_detail::fragments_cols<1>(blk, &p, v, v_k0, &acc);
+}
+
+/// The same for kRowTiles blocks of 16 rows: acc[m] += p[m] v, each V fragment loaded once.
+template <int kTiles, int kKeyTiles, int kRowTiles, class Block, class T>
+DCMHA_INLINE void product_fragments_cols(const Block& blk,
+                                         const Accumulators<kKeyTiles> (&p)[kRowTiles],
+                                         const OperandTile<T>& v, int v_k0,
+                                         Accumulators<kTiles> (&acc)[kRowTiles]) {
+  product_detail::fragments_cols<kRowTiles>(blk, p, v, v_k0, acc);
 }
 
 }  // namespace dcmha::cuda
