@@ -232,18 +232,23 @@ class ForwardKernel {
       mask_fragments(blk_, rows_[m], s0, s[m], detail::negative_infinity<float>());
   }
 
+  /// The online softmax's step over the tile at s0: s = exp(composed score - running maximum) of
+  /// each row tile; earlier terms of row tile m's rows are to be multiplied by factor[m].
+  DCMHA_INLINE void softmax_step(index_t s0, int stage, Scores (&s)[kRowTiles],
+                                 float (&factor)[kRowTiles][2]) {
+    composed_fragments(s0, stage, s);
+    DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m) online_softmax(blk_, s[m], state_[m], factor[m]);
+  }
+
   /// Pass 1: the rows' statistics of the composed scores.
   DCMHA_INLINE void statistics_pass(const detail::KeyRange& keys) {
     int stage = 0;
     for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
       key_tile(s0, keys, stage, false);
       Scores s[kRowTiles];
-      composed_fragments(s0, stage, s);
-      DCMHA_UNROLL
-      for (int m = 0; m < kRowTiles; ++m) {
-        float factor[2];
-        online_softmax(blk_, s[m], state_[m], factor);
-      }
+      float factor[kRowTiles][2];
+      softmax_step(s0, stage, s, factor);
     }
   }
 
@@ -253,15 +258,12 @@ class ForwardKernel {
     for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
       key_tile(s0, keys, stage, true);
       Scores s[kRowTiles];
-      composed_fragments(s0, stage, s);
+      float factor[kRowTiles][2];
+      softmax_step(s0, stage, s, factor);
       DCMHA_UNROLL
-      for (int m = 0; m < kRowTiles; ++m) {
-        float factor[2];
-        online_softmax(blk_, s[m], state_[m], factor);
-        DCMHA_UNROLL
-        for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
-        for (int i = 0; i < 4; ++i) out_[m].c[j][i] *= factor[i / 2];
-      }
+      for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
+      for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
+      for (int i = 0; i < 4; ++i) out_[m].c[j][i] *= factor[m][i / 2];
       accumulate_values(s);
     }
   }
