@@ -86,10 +86,10 @@ void print_plan(const Plans& p, bool dcmha) {
   const auto& q = p.backward.query;
   const auto& k = p.backward.key;
   std::printf(
-      "  %s plan: forward %d rows x %d-block cluster, %d warps, %lld B shared, %d "
+      "  %s plan: forward %d rows x %d-block cluster, %d warps of %d rows, %lld B shared, %d "
       "split(s); backward query side %d rows, key side %d keys, cluster %d, %lld / %lld B\n",
-      dcmha ? "DCMHA" : "MHA", f.rows, f.cluster, f.warps, (long long)f.shared_bytes, f.splits,
-      q.rows, k.rows, q.cluster, (long long)q.shared_bytes, (long long)k.shared_bytes);
+      dcmha ? "DCMHA" : "MHA", f.rows, f.cluster, f.warps, f.warp_rows, (long long)f.shared_bytes,
+      f.splits, q.rows, k.rows, q.cluster, (long long)q.shared_bytes, (long long)k.shared_bytes);
 }
 
 /// Emulated runs, kept while the next shape's plan launches the same blocks.
