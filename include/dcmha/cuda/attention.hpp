@@ -105,9 +105,9 @@ void run_forward_launches(const char* fn, const detail::ForwardParams<T>& p, con
 template <class T, int kHeadDim>
 void run_forward_kernels(const char* fn, const detail::ForwardParams<T>& p, const ForwardLaunch& l,
                          const KeySplit& split, cudaStream_t stream) {
-  if constexpr (kTallWarps<T, kHeadDim>)
-    if (l.geo.warp_rows == 32) return run_forward_launches<T, kHeadDim, 2>(fn, p, l, split, stream);
-  run_forward_launches<T, kHeadDim, 1>(fn, p, l, split, stream);
+  dispatch_row_tiles<T, kHeadDim>(l.geo.warp_rows, [&](auto row_tiles) {
+    run_forward_launches<T, kHeadDim, decltype(row_tiles)::value>(fn, p, l, split, stream);
+  });
 }
 
 /// The backward's query-side and key-side kernels of one head-dim class.

@@ -23,10 +23,10 @@ void run_forward(const detail::ForwardParams<T>& p, const ForwardLaunch& l) {
     auto blocks = [&](const char* name, ForwardPhase phase, const KeySplit& split) {
       const ForwardGeometry geo = l.phase(phase);
       emulator::launch(name, l.blocks.shape, [&](const HostBlock& blk) {
-        if constexpr (kTallWarps<T, kHeadDim>)
-          if (geo.warp_rows == 32)
-            return ForwardKernel<T, kHeadDim, HostBlock, 2>(blk, p, geo, split).run();
-        ForwardKernel<T, kHeadDim, HostBlock, 1>(blk, p, geo, split).run();
+        dispatch_row_tiles<T, kHeadDim>(geo.warp_rows, [&](auto row_tiles) {
+          constexpr int kRowTiles = decltype(row_tiles)::value;
+          ForwardKernel<T, kHeadDim, HostBlock, kRowTiles>(blk, p, geo, split).run();
+        });
       });
     };
     if (l.geo.splits == 1) {

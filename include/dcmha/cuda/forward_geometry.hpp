@@ -1,6 +1,8 @@
 #pragma once
 // The forward's tile geometry and shared-memory layout: plain data chosen by the launch plan on
 // the host, passed to the kernel by value, and the one carving both sides use.
+#include <type_traits>
+
 #include "../common/compose_terms.hpp"
 #include "compose_pass.hpp"
 #include "tile_layout.hpp"
@@ -25,6 +27,15 @@ enum class ForwardPhase : int { whole, split_statistics, split_values };
 /// output accumulators of 32 rows (256 floats a lane) would not fit the registers.
 template <class T, int kHeadDim>
 constexpr bool kTallWarps = kHeadDim <= 128 && kTensorCoreType<T>;
+
+/// Calls f(std::integral_constant<int, kRowTiles>{}) for the row tiles per warp the geometry's
+/// warp_rows asks for; only the kTallWarps classes compile the tall kernel.
+template <class T, int kHeadDim, class F>
+decltype(auto) dispatch_row_tiles(int warp_rows, F&& f) {
+  if constexpr (kTallWarps<T, kHeadDim>)
+    if (warp_rows == 32) return f(std::integral_constant<int, 2>{});
+  return f(std::integral_constant<int, 1>{});
+}
 
 /// Where the forward's arrays sit in a block's shared memory (byte offsets).
 struct ForwardLayout {
