@@ -390,12 +390,14 @@ TEST(CudaKernelsEmulated, LaunchPlans) {
   for (int M = 1; M <= 128; ++M)
     for (int cluster = 1; cluster <= 16; cluster *= 2) {
       if (M % cluster != 0 || M / cluster > dcmha::cuda::kMaxWarps) continue;
-      for (int slice_rows : {1, 2, 4, 8, 16, 32, 64, 128}) {
-        const int parts = dcmha::cuda::compose_parts(M, slice_rows, 256);
-        EXPECT_EQ(M % parts, 0) << M;
-        EXPECT_EQ(dcmha::cuda::kWarpSize % parts, 0) << M;
-        EXPECT_LE(M / parts, dcmha::cuda::kCachedHeads) << M << " heads, " << slice_rows << " rows";
-      }
+      for (int slice_rows : {1, 2, 4, 8, 16, 32, 64, 128})
+        for (int item_rows : {1, 2}) {
+          const int parts = dcmha::cuda::compose_parts(M, slice_rows, 256, item_rows);
+          EXPECT_EQ(M % parts, 0) << M;
+          EXPECT_EQ(dcmha::cuda::kWarpSize % parts, 0) << M;
+          EXPECT_LE(M / parts, dcmha::cuda::kCachedHeads)
+              << M << " heads, " << slice_rows << " rows";
+        }
     }
   EXPECT_EQ(official.geo.compose_parts, 4);
 }

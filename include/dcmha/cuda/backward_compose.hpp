@@ -34,28 +34,28 @@ struct ChainContext {
 /// The item's statistic (lse or D) of head n at its rows, from n's owner.
 template <class Block, class T>
 DCMHA_INLINE void load_statistic(const Block& blk, const ChainContext<T>& cx, const float* base,
-                                 const ComposeItem& it, int n, float (&out)[kComposeRows]) {
+                                 const ComposeItem& it, int n, float (&out)[kChainRows]) {
   const float* owner =
       blk.peer_shared(base, n / cx.own_heads) + index_t(n % cx.own_heads) * cx.statistics_rows;
   DCMHA_UNROLL
-  for (int i = 0; i < kComposeRows; ++i)
+  for (int i = 0; i < kChainRows; ++i)
     out[i] = i < it.rows ? blk.load_shared(owner + it.row0 + i) : 0.0f;
 }
 
 /// Stores y[i] of head n at the item's rows into n's owner's tile.
 template <class Block>
 DCMHA_INLINE void store_item(const Block& blk, const ScoreTile& t, const ComposeItem& it,
-                             const float (&y)[kComposeRows]) {
+                             const float (&y)[kChainRows]) {
   DCMHA_UNROLL
-  for (int i = 0; i < kComposeRows; ++i)
+  for (int i = 0; i < kChainRows; ++i)
     if (i < it.rows) blk.store_shared(t.at(it.row0 + i, it.key), y[i]);
 }
 template <class Block, class T>
 DCMHA_INLINE void store_operand(const Block& blk, const OperandTiles<T>& tiles, int own_heads,
-                                const ComposeItem& it, int n, const float (&y)[kComposeRows]) {
+                                const ComposeItem& it, int n, const float (&y)[kChainRows]) {
   const OperandTile<T> t = tiles.head(n % own_heads);
   DCMHA_UNROLL
-  for (int i = 0; i < kComposeRows; ++i)
+  for (int i = 0; i < kChainRows; ++i)
     if (i < it.rows)
       blk.store_shared(blk.peer_shared(t.at(it.row0 + i, it.key), n / own_heads), T(y[i]));
 }
@@ -64,12 +64,12 @@ DCMHA_INLINE void store_operand(const Block& blk, const OperandTiles<T>& tiles, 
 /// kind 0 of the input, 1 of the upstream gradient. One lane of the item's parts writes.
 template <class Block, class T>
 DCMHA_INLINE void store_sums(const Block& blk, const ChainContext<T>& cx, const ComposeItem& it,
-                             int side, int kind, const Projections& p) {
+                             int side, int kind, const Projections<kChainRows>& p) {
   if (it.part != 0) return;
   const SideWeights<T>& w = side == 0 ? cx.pre : cx.post;
   const int R = int(cx.query_axis ? w.terms.query_rank : w.terms.key_rank);
   DCMHA_UNROLL
-  for (int i = 0; i < kComposeRows; ++i)
+  for (int i = 0; i < kChainRows; ++i)
     if (i < it.rows) DCMHA_UNROLL
   for (int r = 0; r < kMaxRank; ++r)
     if (r < R)
@@ -81,15 +81,15 @@ DCMHA_INLINE void store_sums(const Block& blk, const ChainContext<T>& cx, const 
 /// One item's chain; the key side (kKeySide) also composes P' for dV.
 template <bool kKeySide, class Block, class T>
 DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const ComposeItem& it,
-                             const detail::KeyRange (&ranges)[kComposeRows], index_t s) {
+                             const detail::KeyRange (&ranges)[kChainRows], index_t s) {
   using std::exp;
   const SideWeights<T>&pre = cx.pre, &post = cx.post;
   const GroupTiles scores = cx.group(cx.tiles.scores), upstream = cx.group(cx.tiles.upstream);
   const GroupTiles probs = cx.group(cx.tiles.probs), grads = cx.group(cx.tiles.softmax_grad);
   // The lane's heads' values in registers, in place: L, then P, then P'; dP', then dP, dL', dL.
-  ItemValues x, g;
+  ItemValues<kChainRows> x, g;
   // 1. Projections of L (Compose_pre) and of dP' (Compose_post's transpose).
-  Projections pre_x, post_g;
+  Projections<kChainRows> pre_x, post_g;
   pre_x.zero();
   post_g.zero();
   if (it.valid) {
@@ -103,17 +103,17 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
   pre_x.reduce(blk, it.parts);
   post_g.reduce(blk, it.parts);
   // 2. P = exp(Compose_pre(L) - lse) to its owner, and its projections (Compose_post).
-  Projections post_x;
+  Projections<kChainRows> post_x;
   post_x.zero();
   if (it.valid) {
     compose_heads(blk, pre, it, pre_x, x, x);
     for_item_heads(it, [&](int j) {
       const int n = it.head(j);
-      float lse[kComposeRows];
+      float lse[kChainRows];
       if (pre.terms.static_w) add_static_term(blk, pre, scores, it, n, x.v[j]);
       load_statistic(blk, cx, cx.lse, it, n, lse);
       DCMHA_UNROLL
-      for (int i = 0; i < kComposeRows; ++i)
+      for (int i = 0; i < kChainRows; ++i)
         x.v[j][i] =
             i < it.rows && ranges[i].contains(s) && lse[i] > detail::negative_infinity<float>()
                 ? exp(x.v[j][i] - lse[i])
@@ -131,18 +131,18 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
   // Static terms read the other parts' probabilities: the item's lanes are one warp.
   if (post.terms.static_w) blk.sync_warp();
   // 3. dP = Compose_post^T(dP'); dL' = P (dP - D), or P * dP; P' = Compose_post(P) for dV.
-  Projections pre_g;
+  Projections<kChainRows> pre_g;
   pre_g.zero();
   if (it.valid) {
     compose_heads(blk, post, it, post_g, g, g, Direction::transpose);
     for_item_heads(it, [&](int j) {
       const int m = it.head(j);
-      float d[kComposeRows] = {};
+      float d[kChainRows] = {};
       if (post.terms.static_w)
         add_static_term(blk, post, upstream, it, m, g.v[j], Direction::transpose);
       if (!cx.row_dots_only) load_statistic(blk, cx, cx.row_dot, it, m, d);
       DCMHA_UNROLL
-      for (int i = 0; i < kComposeRows; ++i)
+      for (int i = 0; i < kChainRows; ++i)
         g.v[j][i] = cx.row_dots_only ? x.v[j][i] * g.v[j][i] : x.v[j][i] * (g.v[j][i] - d[i]);
       blk.count_fma(it.rows);
       store_item(blk, grads.head(blk, m), it, g.v[j]);
@@ -154,7 +154,7 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
         const int m = it.head(j);
         if (post.terms.static_w) add_static_term(blk, post, probs, it, m, x.v[j]);
         DCMHA_UNROLL
-        for (int i = 0; i < kComposeRows; ++i) x.v[j][i] = ranges[i].contains(s) ? x.v[j][i] : 0.0f;
+        for (int i = 0; i < kChainRows; ++i) x.v[j][i] = ranges[i].contains(s) ? x.v[j][i] : 0.0f;
         store_operand(blk, cx.values_probs, cx.own_heads, it, m, x.v[j]);
       });
     }

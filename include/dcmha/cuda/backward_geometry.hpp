@@ -14,6 +14,10 @@
 
 namespace dcmha::cuda {
 
+/// Rows of a backward compose item: one, as the chain keeps two values per head (x and g) in
+/// registers beside the key side's dK and dV accumulators; two rows spill at head dim 128.
+constexpr int kChainRows = 1;
+
 /// The score-shaped arrays of the backward's chain, one set per own head, [row][key]:
 /// L (scores), dP' (dO V^T), P (probabilities), dL' (or, in the query side's first pass,
 /// P * dP for the row dots).

@@ -253,11 +253,13 @@ class BackwardBlock {
 
   template <bool kKeySide>
   DCMHA_INLINE void run_chain(const ChainContext<T>& cx, index_t t0, index_t s0) {
-    for (int round = 0; round < compose_rounds(blk_, cx.region, geo_.compose_parts); ++round) {
-      const ComposeItem it = compose_item(blk_, cx.region, geo_.M, geo_.compose_parts, round);
-      detail::KeyRange ranges[kComposeRows];
+    for (int round = 0; round < compose_rounds<kChainRows>(blk_, cx.region, geo_.compose_parts);
+         ++round) {
+      const ComposeItem it =
+          compose_item<kChainRows>(blk_, cx.region, geo_.M, geo_.compose_parts, round);
+      detail::KeyRange ranges[kChainRows];
       DCMHA_UNROLL
-      for (int i = 0; i < kComposeRows; ++i) {
+      for (int i = 0; i < kChainRows; ++i) {
         const index_t t = t0 + it.row0 + i;
         ranges[i] = i < it.rows && t < p_.dims.T ? mask_.row(b_, t) : detail::KeyRange{0, 0};
       }

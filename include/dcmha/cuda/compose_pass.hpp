@@ -4,7 +4,7 @@
 // blocks' tiles of the group's other heads (DSMEM). Each block composes a slice of the tile's
 // rows for all M heads and writes every head's result back to that head's owner.
 //
-// A compose item is (up to kComposeRows rows of the slice, one key, one part of the heads): the
+// A compose item is (up to kRows rows of the slice, one key, one part of the heads): the
 // parts of an item are adjacent lanes, each summing the low-rank projections (sum_m x_m w1[r, m])
 // over its heads, then adding them up with shuffles, then producing the outputs of its heads. A
 // lane keeps its heads' values in registers from step to step (ItemValues) and loads one term's
@@ -26,8 +26,6 @@ namespace dcmha::cuda {
 
 /// Largest low-rank R the CUDA kernels take (DCFormer's is 2).
 constexpr int kMaxRank = 4;
-/// Rows of one compose item.
-constexpr int kComposeRows = 1;
 /// Heads of one compose item whose values a lane keeps in registers from one loop over the heads
 /// to the next: each value is read once from its tile (in a cluster, mostly a peer's), not once
 /// per loop. The launch plan gives an item enough parts that a lane holds at most this many.
@@ -91,7 +89,7 @@ struct SideLayout {
 struct ComposeItem {
   int row0 = 0;         // first row of the item in the tile
   int weight_row0 = 0;  // the same row in the query-wise weight arrays
-  int rows = 0;         // rows of the item that are in the region (<= kComposeRows)
+  int rows = 0;         // rows of the item that are in the region (<= the item's kRows)
   int key = 0;          // column in the tile and in the key-wise weight arrays
   // The lane's heads: part + parts j for j < heads. Interleaved, so that at each j the parts
   // read the same cluster block's tiles (its own heads are consecutive) side by side.
@@ -107,28 +105,30 @@ struct ComposeRegion {
   int row_begin = 0, rows = 0, key_begin = 0, keys = 0, weight_row_begin = 0;
 };
 
-/// The region as items of kComposeRows rows x one key x `parts` head parts, spread over the block
+/// The region as items of kRows rows x one key x `parts` head parts, spread over the block
 /// round by round: every thread takes part in every round (the parts' shuffles need all lanes of
 /// a warp), holding an invalid item where none is left:
-///   for (int round = 0; round < compose_rounds(...); ++round) { item = compose_item(...); ... }
-template <class Block>
+///   for (round = 0; round < compose_rounds<kRows>(...); ++round) { it = compose_item<kRows>(...) }
+DCMHA_INLINE int compose_items(const ComposeRegion& region, int parts, int rows_per_item) {
+  return (region.rows + rows_per_item - 1) / rows_per_item * region.keys * parts;
+}
+template <int kRows, class Block>
 DCMHA_INLINE int compose_rounds(const Block& blk, const ComposeRegion& region, int parts) {
-  const int items = (region.rows + kComposeRows - 1) / kComposeRows * region.keys * parts;
-  return (items + blk.threads() - 1) / blk.threads();
+  return (compose_items(region, parts, kRows) + blk.threads() - 1) / blk.threads();
 }
 
-template <class Block>
+template <int kRows, class Block>
 DCMHA_INLINE ComposeItem compose_item(const Block& blk, const ComposeRegion& region, int M,
                                       int parts, int round) {
-  const int items = (region.rows + kComposeRows - 1) / kComposeRows * region.keys * parts;
+  const int items = compose_items(region, parts, kRows);
   const int i = round * blk.threads() + blk.thread();
   ComposeItem item;
   item.valid = i < items;
   const int part = i % parts, key = i / parts % region.keys, group = i / (parts * region.keys);
-  const int first = group * kComposeRows;
+  const int first = group * kRows;
   item.row0 = region.row_begin + first;
   item.weight_row0 = item.row0 - region.weight_row_begin;
-  item.rows = region.rows - first < kComposeRows ? region.rows - first : kComposeRows;
+  item.rows = region.rows - first < kRows ? region.rows - first : kRows;
   item.key = region.key_begin + key;
   item.heads = M / parts;
   item.part = part;
@@ -157,9 +157,11 @@ DCMHA_INLINE float sum_over_parts(const Block& blk, float x, int parts) {
 /// are their own transpose.
 enum class Direction { forward, transpose };
 
-/// One value per head and row of an item, kept in registers between loops over its heads.
+/// One value per head and row of an item, kept in registers between loops over its heads. An
+/// item of kRows rows reads each key-wise weight once for all of them; each row costs registers.
+template <int kRows>
 struct ItemValues {
-  float v[kCachedHeads][kComposeRows];
+  float v[kCachedHeads][kRows];
 };
 
 /// One term's weights of a lane's heads (consecutive in shared memory), as loaded: packed in
@@ -200,8 +202,8 @@ struct HeadWeights {
 };
 
 /// sum_j x.v[j][i] w[j] over the item's heads, in order.
-template <class W>
-DCMHA_INLINE float dot_heads(const ComposeItem& it, const ItemValues& x, int i,
+template <int kRows, class W>
+DCMHA_INLINE float dot_heads(const ComposeItem& it, const ItemValues<kRows>& x, int i,
                              const HeadWeights<W>& w) {
   float sum = 0;
   DCMHA_UNROLL
@@ -210,9 +212,9 @@ DCMHA_INLINE float dot_heads(const ComposeItem& it, const ItemValues& x, int i,
   return sum;
 }
 /// y.v[j][i] += a w[j] for the item's heads.
-template <class W>
+template <int kRows, class W>
 DCMHA_INLINE void add_scaled_heads(const ComposeItem& it, float a, const HeadWeights<W>& w, int i,
-                                   ItemValues& y) {
+                                   ItemValues<kRows>& y) {
   DCMHA_UNROLL
   for (int j = 0; j < kCachedHeads; ++j)
     if (j < it.heads) y.v[j][i] += a * w[j];
@@ -220,17 +222,18 @@ DCMHA_INLINE void add_scaled_heads(const ComposeItem& it, float a, const HeadWei
 
 /// The low-rank projections of one item's rows: the sums over heads of x_m w[r, m], query-wise
 /// and key-wise, with w the side's w1 (forward) or w2 (transpose).
+template <int kRows>
 struct Projections {
-  float q[kComposeRows][kMaxRank], k[kComposeRows][kMaxRank];
+  float q[kRows][kMaxRank], k[kRows][kMaxRank];
   DCMHA_INLINE void zero() {
     DCMHA_UNROLL
-    for (int i = 0; i < kComposeRows; ++i) DCMHA_UNROLL
+    for (int i = 0; i < kRows; ++i) DCMHA_UNROLL
     for (int r = 0; r < kMaxRank; ++r) q[i][r] = k[i][r] = 0.0f;
   }
   /// Adds the lane's heads' values (head it.head(j) in x.v[j]) times their weights, in head order.
   template <class Block, class W>
   DCMHA_INLINE void add(const Block& blk, const SideWeights<W>& w, const ComposeItem& it,
-                        const ItemValues& x, Direction d = Direction::forward) {
+                        const ItemValues<kRows>& x, Direction d = Direction::forward) {
     const int Rq = int(w.terms.query_rank), Rk = int(w.terms.key_rank);
     const int q0 = d == Direction::forward ? 0 : Rq, k0 = d == Direction::forward ? 0 : Rk;
     DCMHA_UNROLL
@@ -239,11 +242,11 @@ struct Projections {
       HeadWeights<W> kw;
       kw.load(blk, w.key_at(k0 + r, it.part, it.key), it.heads);
       DCMHA_UNROLL
-      for (int i = 0; i < kComposeRows; ++i)
+      for (int i = 0; i < kRows; ++i)
         if (i < it.rows) k[i][r] += dot_heads(it, x, i, kw);
     }
     DCMHA_UNROLL
-    for (int i = 0; i < kComposeRows; ++i) {
+    for (int i = 0; i < kRows; ++i) {
       if (i >= it.rows) continue;
       DCMHA_UNROLL
       for (int r = 0; r < kMaxRank; ++r) {
@@ -260,7 +263,7 @@ struct Projections {
   DCMHA_INLINE void reduce(const Block& blk, int parts) {
     if (parts == 1) return;
     DCMHA_UNROLL
-    for (int i = 0; i < kComposeRows; ++i) DCMHA_UNROLL
+    for (int i = 0; i < kRows; ++i) DCMHA_UNROLL
     for (int r = 0; r < kMaxRank; ++r) {
       q[i][r] = sum_over_parts(blk, q[i][r], parts);
       k[i][r] = sum_over_parts(blk, k[i][r], parts);
@@ -271,16 +274,16 @@ struct Projections {
 /// y = Compose(x) (forward) or Compose^T(x) (transpose) of the lane's heads at the item's rows
 /// without the static term: the residual, the gates and the low-rank terms, from x and the
 /// projections. y may be x (head j's output depends on its own input only).
-template <class Block, class W>
+template <int kRows, class Block, class W>
 DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const ComposeItem& it,
-                                const Projections& p, const ItemValues& x, ItemValues& y,
-                                Direction d = Direction::forward) {
+                                const Projections<kRows>& p, const ItemValues<kRows>& x,
+                                ItemValues<kRows>& y, Direction d = Direction::forward) {
   const int Rq = int(w.terms.query_rank), Rk = int(w.terms.key_rank);
   const int q0 = d == Direction::forward ? Rq : 0, k0 = d == Direction::forward ? Rk : 0;
   HeadWeights<W> key_gate;
   if (w.terms.key_wise) key_gate.load(blk, w.key_at(2 * Rk, it.part, it.key), it.heads);
   DCMHA_UNROLL
-  for (int i = 0; i < kComposeRows; ++i) {
+  for (int i = 0; i < kRows; ++i) {
     const int row = it.weight_row0 + i;
     HeadWeights<W> query_gate;
     if (i < it.rows && w.terms.query_wise)
@@ -308,7 +311,7 @@ DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const
     HeadWeights<W> kw;
     kw.load(blk, w.key_at(k0 + r, it.part, it.key), it.heads);
     DCMHA_UNROLL
-    for (int i = 0; i < kComposeRows; ++i) add_scaled_heads(it, p.k[i][r], kw, i, y);
+    for (int i = 0; i < kRows; ++i) add_scaled_heads(it, p.k[i][r], kw, i, y);
   }
   blk.count_fma(index_t(it.rows) * it.heads * (2 + Rq + Rk));
 }
@@ -326,27 +329,27 @@ struct GroupTiles {
 };
 
 /// Reads head m's values at the item's rows (0 past its real rows).
-template <class Block>
+template <int kRows, class Block>
 DCMHA_INLINE void load_item(const Block& blk, const ScoreTile& t, const ComposeItem& it,
-                            float (&x)[kComposeRows]) {
+                            float (&x)[kRows]) {
   DCMHA_UNROLL
-  for (int i = 0; i < kComposeRows; ++i)
+  for (int i = 0; i < kRows; ++i)
     x[i] = i < it.rows ? blk.load_shared(t.at(it.row0 + i, it.key)) : 0.0f;
 }
 
 /// Adds the static term to y for head n: sum_m x_m W[m][n] (forward) or sum_m W[n][m] x_m
 /// (transpose), reading every head's input at the item's rows.
-template <class Block, class W>
+template <int kRows, class Block, class W>
 DCMHA_INLINE void add_static_term(const Block& blk, const SideWeights<W>& w,
                                   const GroupTiles& input, const ComposeItem& it, int n,
-                                  float (&y)[kComposeRows], Direction d = Direction::forward) {
+                                  float (&y)[kRows], Direction d = Direction::forward) {
   for (int m = 0; m < w.M; ++m) {
-    float x[kComposeRows];
+    float x[kRows];
     load_item(blk, input.head(blk, m), it, x);
     const index_t at = d == Direction::forward ? index_t(m) * w.M + n : index_t(n) * w.M + m;
     const float wmn = float(blk.load_shared(w.w + at));
     DCMHA_UNROLL
-    for (int i = 0; i < kComposeRows; ++i) y[i] += x[i] * wmn;
+    for (int i = 0; i < kRows; ++i) y[i] += x[i] * wmn;
   }
   blk.count_fma(index_t(it.rows) * w.M);
 }

@@ -28,6 +28,12 @@ enum class ForwardPhase : int { whole, split_statistics, split_values };
 template <class T, int kHeadDim>
 constexpr bool kTallWarps = kHeadDim <= 128 && kTensorCoreType<T>;
 
+/// Rows of a forward compose item (compose_pass.hpp): two, which read each key-wise weight once,
+/// where the registers allow it (the same classes as kTallWarps); one where two rows' values and
+/// projections would spill beside the output accumulators (head dim 256, float storage).
+template <class T, int kHeadDim>
+constexpr int kForwardItemRows = kHeadDim <= 128 && kTensorCoreType<T> ? 2 : 1;
+
 /// Calls f(std::integral_constant<int, kRowTiles>{}) for the row tiles per warp the geometry's
 /// warp_rows asks for; only the kTallWarps classes compile the tall kernel.
 template <class T, int kHeadDim, class F>

@@ -40,6 +40,7 @@ class ForwardKernel {
   static constexpr int kWarpRows = 16 * kRowTiles;
   /// Warps of two row tiles run the registers mode only: nothing of Compose is compiled in.
   static constexpr bool kComposes = kRowTiles == 1;
+  static constexpr int kItemRows = kForwardItemRows<T, kHeadDim>;
   static_assert(kRowTiles == 1 || kTensorCoreType<T>, "tall warps take P from registers");
 
   DCMHA_INLINE ForwardKernel(const Block& blk, const detail::ForwardParams<T>& p,
@@ -337,9 +338,9 @@ class ForwardKernel {
   }
 
   /// The keys the rows of an item see.
-  DCMHA_INLINE void item_ranges(const ComposeItem& it, detail::KeyRange (&r)[kComposeRows]) const {
+  DCMHA_INLINE void item_ranges(const ComposeItem& it, detail::KeyRange (&r)[kItemRows]) const {
     DCMHA_UNROLL
-    for (int i = 0; i < kComposeRows; ++i) {
+    for (int i = 0; i < kItemRows; ++i) {
       const int row = it.row0 + i;
       r[i] = i < it.rows && row < rows_real_ ? mask_.row(b_, t0_ + row) : detail::KeyRange{0, 0};
     }
@@ -350,27 +351,29 @@ class ForwardKernel {
   DCMHA_INLINE void compose_scores(index_t s0) {
     const SideWeights<T> w = sh().side(0);
     const GroupTiles in = group_tiles(sh().scores()), out = group_tiles(composed_tiles());
-    for (int round = 0; round < compose_rounds(blk_, region(), geo_.compose_parts); ++round) {
-      const ComposeItem it = compose_item(blk_, region(), geo_.M, geo_.compose_parts, round);
-      Projections proj;
+    for (int round = 0; round < compose_rounds<kItemRows>(blk_, region(), geo_.compose_parts);
+         ++round) {
+      const ComposeItem it =
+          compose_item<kItemRows>(blk_, region(), geo_.M, geo_.compose_parts, round);
+      Projections<kItemRows> proj;
       proj.zero();
-      ItemValues x;
+      ItemValues<kItemRows> x;
       if (it.valid) {
         for_item_heads(it, [&](int j) { load_item(blk_, in.head(blk_, it.head(j)), it, x.v[j]); });
         proj.add(blk_, w, it, x);
       }
       proj.reduce(blk_, geo_.compose_parts);
       if (!it.valid) continue;
-      detail::KeyRange ranges[kComposeRows];
+      detail::KeyRange ranges[kItemRows];
       item_ranges(it, ranges);
-      ItemValues y;
+      ItemValues<kItemRows> y;
       compose_heads(blk_, w, it, proj, x, y);
       for_item_heads(it, [&](int j) {
         const int n = it.head(j);
         if (w.terms.static_w) add_static_term(blk_, w, in, it, n, y.v[j]);
         const ScoreTile t = out.head(blk_, n);
         DCMHA_UNROLL
-        for (int i = 0; i < kComposeRows; ++i)
+        for (int i = 0; i < kItemRows; ++i)
           if (i < it.rows)
             blk_.store_shared(t.at(it.row0 + i, it.key), ranges[i].contains(s0 + it.key)
                                                              ? y.v[j][i]
@@ -384,14 +387,16 @@ class ForwardKernel {
   DCMHA_INLINE void compose_probabilities(index_t s0) {
     const SideWeights<T> pre = sh().side(0), post = sh().side(1);
     const GroupTiles in = group_tiles(sh().scores()), probs = group_tiles(composed_tiles());
-    for (int round = 0; round < compose_rounds(blk_, region(), geo_.compose_parts); ++round) {
-      const ComposeItem it = compose_item(blk_, region(), geo_.M, geo_.compose_parts, round);
-      Projections proj, post_proj;
+    for (int round = 0; round < compose_rounds<kItemRows>(blk_, region(), geo_.compose_parts);
+         ++round) {
+      const ComposeItem it =
+          compose_item<kItemRows>(blk_, region(), geo_.M, geo_.compose_parts, round);
+      Projections<kItemRows> proj, post_proj;
       proj.zero();
       post_proj.zero();
       // The lane's heads' values, in place: scores, probabilities, P'.
-      ItemValues x;
-      detail::KeyRange ranges[kComposeRows];
+      ItemValues<kItemRows> x;
+      detail::KeyRange ranges[kItemRows];
       item_ranges(it, ranges);
       if (it.valid) {
         for_item_heads(it, [&](int j) { load_item(blk_, in.head(blk_, it.head(j)), it, x.v[j]); });
@@ -409,7 +414,7 @@ class ForwardKernel {
           if (!post.terms.static_w) return;
           const ScoreTile t = probs.head(blk_, n);
           DCMHA_UNROLL
-          for (int i = 0; i < kComposeRows; ++i)
+          for (int i = 0; i < kItemRows; ++i)
             if (i < it.rows) blk_.store_shared(t.at(it.row0 + i, it.key), x.v[j][i]);
         });
         post_proj.add(blk_, post, it, x);
@@ -424,7 +429,7 @@ class ForwardKernel {
         if (post.terms.static_w) add_static_term(blk_, post, probs, it, n, x.v[j]);
         const OperandTile<T> t = sh().probs().head(n % geo_.own_heads);
         DCMHA_UNROLL
-        for (int i = 0; i < kComposeRows; ++i)
+        for (int i = 0; i < kItemRows; ++i)
           if (i < it.rows)
             blk_.store_shared(blk_.peer_shared(t.at(it.row0 + i, it.key), n / geo_.own_heads),
                               T(ranges[i].contains(s0 + it.key) ? x.v[j][i] : 0.0f));
@@ -434,12 +439,12 @@ class ForwardKernel {
 
   /// y = exp(y - lse of head n) at the item's rows, 0 where invisible.
   DCMHA_INLINE void probabilities(const ComposeItem& it, int n,
-                                  const detail::KeyRange (&ranges)[kComposeRows], index_t s0,
-                                  float (&y)[kComposeRows]) const {
+                                  const detail::KeyRange (&ranges)[kItemRows], index_t s0,
+                                  float (&y)[kItemRows]) const {
     using std::exp;
     const float* lse = blk_.peer_shared(sh().lse(n % geo_.own_heads, 0), n / geo_.own_heads);
     DCMHA_UNROLL
-    for (int i = 0; i < kComposeRows; ++i) {
+    for (int i = 0; i < kItemRows; ++i) {
       if (i >= it.rows) continue;
       const float l = blk_.load_shared(lse + it.row0 + i);
       y[i] = ranges[i].contains(s0 + it.key) && l > detail::negative_infinity<float>()

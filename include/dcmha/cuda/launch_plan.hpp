@@ -105,8 +105,8 @@ inline void check_lengths(const char* fn, const detail::AttentionDims& d) {
 /// a power-of-two cluster times its own heads, one warp each (at most kMaxWarps), so the cluster
 /// size is such a divisor.
 static_assert(kMaxWarps <= kCachedHeads, "a block's own heads must fit one compose lane");
-inline int compose_parts(int M, int slice_rows, int threads) {
-  const int items = (slice_rows + kComposeRows - 1) / kComposeRows * kKeys;
+inline int compose_parts(int M, int slice_rows, int threads, int rows_per_item) {
+  const int items = compose_items(ComposeRegion{0, slice_rows, 0, kKeys, 0}, 1, rows_per_item);
   int parts = 1;
   while (parts < kWarpSize && M % (2 * parts) == 0 &&
          (M / parts > kCachedHeads || (parts < 8 && items * parts * 2 <= threads)))
@@ -213,7 +213,8 @@ ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
       g.warps = g.own_heads * g.rows / g.warp_rows;
       g.kv_slots = kv_slots_of(p.dims.H, p.dims.Hk, g.own_heads);
       g.slice_rows = g.rows / g.cluster;
-      g.compose_parts = compose_parts(g.M, g.slice_rows, g.threads());
+      g.compose_parts =
+          compose_parts(g.M, g.slice_rows, g.threads(), kForwardItemRows<T, kHeadDim>);
       g.template lay_out<T, kHeadDim>();
       return g.shared_bytes;
     });
@@ -303,7 +304,7 @@ BackwardLaunch backward_launch(const char* fn, const detail::BackwardParams<T>& 
         fit_tiles(geo, int(p.dims.M), extent, forced_rows, opt, [&](BackwardGeometry& g) {
           g.kv_slots = kv_slots_of(p.dims.H, p.dims.Hk, g.own_heads);
           g.slice = g.rows / g.cluster;
-          g.compose_parts = compose_parts(g.M, g.slice, g.threads());
+          g.compose_parts = compose_parts(g.M, g.slice, g.threads(), kChainRows);
           return bytes(g);
         });
     if (!ok)
