@@ -26,7 +26,7 @@ struct Work {
   double mma = 0;                // m16n8k16 tensor-core instructions (2,048 multiply-adds each)
   double fma = 0, exp = 0;       // CUDA-core multiply-adds and exponentials
   double l2_bytes = 0;           // global requests in 32-byte sectors: what L2 serves
-  double shared_wavefronts = 0;  // shared-memory cycles of one multiprocessor (128 B each)
+  double shared_wavefronts = 0;  // shared-memory cycles of one multiprocessor (128 B or a shuffle)
   double peer_bytes = 0;         // another block's shared memory (a cluster's DSMEM)
   double hbm_bytes = 0;          // compulsory: every input read once, every output written once
 
@@ -49,7 +49,9 @@ inline Work work_of(const cuda::emulator::Counters& c) {
   w.mma = double(c.mma);
   w.fma = double(c.fma), w.exp = double(c.exp);
   w.l2_bytes = 32.0 * double(c.global_load_sectors + c.global_store_sectors);
-  w.shared_wavefronts = double(c.shared_wavefronts);
+  // A warp shuffle takes the shared-memory unit for a cycle as a wavefront does: both are MIO
+  // instructions whose results come back one 32-lane register per cycle.
+  w.shared_wavefronts = double(c.shared_wavefronts + c.shuffles);
   w.peer_bytes = double(c.peer_shared_bytes);
   return w;
 }
