@@ -100,8 +100,8 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
     pre_x.add(blk, pre, it, x);
     post_g.add(blk, post, it, g, Direction::transpose);
   }
-  pre_x.reduce(blk, it.parts);
-  post_g.reduce(blk, it.parts);
+  pre_x.reduce(blk, pre.terms, it.parts);
+  post_g.reduce(blk, post.terms, it.parts);
   // 2. P = exp(Compose_pre(L) - lse) to its owner, and its projections (Compose_post).
   Projections<kChainRows> post_x;
   post_x.zero();
@@ -123,7 +123,7 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
     });
     post_x.add(blk, post, it, x);
   }
-  post_x.reduce(blk, it.parts);
+  post_x.reduce(blk, post.terms, it.parts);
   // Each projection goes to the sums after its last use (fewer live registers).
   const bool sums = it.valid && !cx.row_dots_only;
   if (sums) store_sums(blk, cx, it, 0, 0, pre_x);
@@ -162,7 +162,7 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
   if (sums && kKeySide) store_sums(blk, cx, it, 1, 0, post_x);
   if (sums) store_sums(blk, cx, it, 1, 1, post_g);
   if (cx.row_dots_only) return;
-  pre_g.reduce(blk, it.parts);
+  pre_g.reduce(blk, pre.terms, it.parts);
   if (pre.terms.static_w) blk.sync_warp();
   // 4. dL = Compose_pre^T(dL') in the storage type, for dQ and dK.
   if (it.valid) {

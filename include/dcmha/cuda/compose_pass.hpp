@@ -258,15 +258,15 @@ struct Projections {
     }
     blk.count_fma(index_t(it.rows) * it.heads * (Rq + Rk));
   }
-  /// The sums over all heads: every part's own heads added up.
+  /// The sums over all heads: every part's own heads added up, for the ranks the side has.
   template <class Block>
-  DCMHA_INLINE void reduce(const Block& blk, int parts) {
+  DCMHA_INLINE void reduce(const Block& blk, const detail::ComposeTermSet& t, int parts) {
     if (parts == 1) return;
     DCMHA_UNROLL
     for (int i = 0; i < kRows; ++i) DCMHA_UNROLL
     for (int r = 0; r < kMaxRank; ++r) {
-      q[i][r] = sum_over_parts(blk, q[i][r], parts);
-      k[i][r] = sum_over_parts(blk, k[i][r], parts);
+      if (r < t.query_rank) q[i][r] = sum_over_parts(blk, q[i][r], parts);
+      if (r < t.key_rank) k[i][r] = sum_over_parts(blk, k[i][r], parts);
     }
   }
 };

@@ -362,7 +362,7 @@ class ForwardKernel {
         for_item_heads(it, [&](int j) { load_item(blk_, in.head(blk_, it.head(j)), it, x.v[j]); });
         proj.add(blk_, w, it, x);
       }
-      proj.reduce(blk_, geo_.compose_parts);
+      proj.reduce(blk_, w.terms, geo_.compose_parts);
       if (!it.valid) continue;
       detail::KeyRange ranges[kItemRows];
       item_ranges(it, ranges);
@@ -402,7 +402,7 @@ class ForwardKernel {
         for_item_heads(it, [&](int j) { load_item(blk_, in.head(blk_, it.head(j)), it, x.v[j]); });
         proj.add(blk_, pre, it, x);
       }
-      proj.reduce(blk_, geo_.compose_parts);
+      proj.reduce(blk_, pre.terms, geo_.compose_parts);
       // Probabilities and their projections for Compose_post; stored (in place of the scores)
       // only for a static W, which reads every head's.
       if (it.valid) {
@@ -419,7 +419,7 @@ class ForwardKernel {
         });
         post_proj.add(blk_, post, it, x);
       }
-      post_proj.reduce(blk_, geo_.compose_parts);
+      post_proj.reduce(blk_, post.terms, geo_.compose_parts);
       // A static W reads the other parts' probabilities: the item's lanes are one warp.
       if (post.terms.static_w) blk_.sync_warp();
       if (!it.valid) continue;
