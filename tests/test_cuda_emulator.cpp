@@ -319,6 +319,40 @@ TEST(CudaEmulator, CountsSectorsAndBankConflicts) {
   EXPECT_EQ(c.shared_wavefronts, 1u + 32u + 1u);
 }
 
+TEST(CudaEmulator, BreaksCountsDownByCallSite) {
+  // Each site's counts under its own "file:line kind", and together the launch's totals.
+  alignas(32) float global[64] = {};
+  int load_line = 0, store_line = 0, shuffle_line = 0;
+  em::Counting::enabled() = em::Counting::sites() = true;
+  const em::Counters c = run(32, 32 * 33 * 4, [&](const HostBlock& blk) {
+    auto* s = static_cast<float*>(blk.shared());
+    const int l = blk.thread();
+    for (int i = 0; i < 2; ++i) {
+      // clang-format off
+      load_line = __LINE__; const float x = blk.load_global(&global[l + 32 * i]);
+      store_line = __LINE__; blk.store_shared(&s[l * 32], x);  // 32 wavefronts
+      shuffle_line = __LINE__; (void)blk.shfl_xor(x, 1);
+      // clang-format on
+    }
+  });
+  em::Counting::enabled() = em::Counting::sites() = false;
+  const std::string file = __FILE__;
+  auto at = [&](int line, const char* kind) {
+    const auto it = c.sites.find(file + ":" + std::to_string(line) + " " + kind);
+    return it == c.sites.end() ? em::SiteCounts{} : it->second;
+  };
+  ASSERT_EQ(c.sites.size(), 3u);
+  EXPECT_EQ(at(load_line, "global load").instructions, 2u);
+  EXPECT_EQ(at(load_line, "global load").global_sectors, 8u);
+  EXPECT_EQ(at(store_line, "shared store").shared_wavefronts, 64u);
+  EXPECT_EQ(at(shuffle_line, "shuffle").shuffles, 2u);
+  em::SiteCounts sum;
+  for (const auto& [site, counts] : c.sites) sum += counts;
+  EXPECT_EQ(sum.shared_wavefronts, c.shared_wavefronts);
+  EXPECT_EQ(sum.shuffles, c.shuffles);
+  EXPECT_EQ(sum.global_sectors, c.global_load_sectors + c.global_store_sectors);
+}
+
 TEST(CudaEmulator, ABranchSomeLanesSkipDoesNotShiftTheOthers) {
   // Half the warp stores first (banks 0-15), then every lane stores one of 32 consecutive words:
   // two instructions of one wavefront each. Matching the lanes' accesses by index instead would

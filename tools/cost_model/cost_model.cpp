@@ -4,9 +4,13 @@
 // ceilings, beside FlashAttention-2's algorithm for MHA counted the same way. A model, not a
 // measurement: the GPU benchmark (scripts/gpu_check.sh) replaces it.
 //
-//   dcmha_cost_model [T...]     (default: 2048 4096)
+//   dcmha_cost_model [--sites] [T...]     (default: 2048 4096)
+//
+// --sites: each kernel's call sites by their share of its shared-memory cycles, DSMEM bytes and
+// L2 sectors, in the longest emulated run (where a kernel's cycles go, for its next change).
+#include <algorithm>
+#include <array>
 #include <cstdio>
-#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -92,6 +96,56 @@ void print_plan(const Plans& p, bool dcmha) {
       f.splits, q.rows, k.rows, q.cluster, (long long)q.shared_bytes, (long long)k.shared_bytes);
 }
 
+double percent(double part, double whole) { return whole > 0 ? 100.0 * part / whole : 0.0; }
+
+/// The share of a unit's counts (percent) that gives a call site its own row.
+constexpr double kLeastSiteShare = 1.0;
+
+/// One kernel's call sites with at least kLeastSiteShare of a unit's counts, the largest
+/// shared-memory users first, then the rest together.
+void print_kernel_sites(const std::string& kernel, const dcmha::cuda::emulator::Counters& c) {
+  using dcmha::cuda::emulator::SiteCounts;
+  auto shared = [](const SiteCounts& s) { return double(s.shared_wavefronts + s.shuffles); };
+  SiteCounts total;
+  std::vector<std::pair<std::string, SiteCounts>> sites(c.sites.begin(), c.sites.end());
+  for (const auto& [site, counts] : sites) total += counts;
+  std::stable_sort(sites.begin(), sites.end(), [&](const auto& x, const auto& y) {
+    return shared(x.second) > shared(y.second);
+  });
+  auto shares = [&](const SiteCounts& s) {  // shared cycles, DSMEM bytes, L2 sectors
+    return std::array<double, 3>{
+        percent(shared(s), shared(total)),
+        percent(double(s.peer_shared_bytes), double(total.peer_shared_bytes)),
+        percent(double(s.global_sectors), double(total.global_sectors))};
+  };
+  auto row = [&](const std::string& name, const SiteCounts& s) {
+    const std::array<double, 3> p = shares(s);
+    std::printf("| %s | %.1f%% | %.1f%% | %.1f%% |\n", name.c_str(), p[0], p[1], p[2]);
+  };
+  std::printf("\n%s: %zu sites\n| site | shared | DSMEM | L2 |\n|---|---|---|---|\n",
+              kernel.c_str(), sites.size());
+  SiteCounts rest;
+  int rest_sites = 0;
+  for (const auto& [site, s] : sites) {
+    const std::array<double, 3> p = shares(s);
+    if (*std::max_element(p.begin(), p.end()) >= kLeastSiteShare)
+      row(site, s);
+    else
+      rest += s, ++rest_sites;
+  }
+  if (rest_sites > 0) row(std::to_string(rest_sites) + " other sites", rest);
+}
+
+void print_sites(const char* what, const EmulatedWork& w) {
+  const char* operation[2] = {"forward", "backward"};
+  for (int op = 0; op < 2; ++op) {
+    std::printf("\n%s %s, call sites' shares per kernel (emulated at T = %lld, one %s)\n", what,
+                operation[op], (long long)w.lengths[3],
+                std::string(what) == "DCMHA" ? "compose group" : "pair of heads");
+    for (const auto& [kernel, c] : w.longest[op]) print_kernel_sites(kernel, c);
+  }
+}
+
 /// Emulated runs, kept while the next shape's plan launches the same blocks.
 class RunCache {
  public:
@@ -108,7 +162,7 @@ class RunCache {
   std::vector<EmulatedRuns> mha_, dcmha_;
 };
 
-void model(index_t T, RunCache& cache) {
+void model(index_t T, RunCache& cache, bool sites) {
   BenchmarkShape s;
   s.T = T;
   s.dcmha = false;
@@ -149,14 +203,54 @@ void model(index_t T, RunCache& cache) {
   if (fit > kLargestFitError)
     throw std::runtime_error("the scaling check failed: a count is off its quadratic by " +
                              std::to_string(fit));
+  if (sites) {
+    print_sites("MHA", mha);
+    print_sites("DCMHA", dcmha);
+  }
+}
+
+/// The command line: --sites and sequence lengths, each a positive integer.
+struct Arguments {
+  bool sites = false;
+  std::vector<index_t> lengths;
+};
+
+Arguments parse_arguments(int argc, char** argv) {
+  Arguments a;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg == "--sites") {
+      a.sites = true;
+      continue;
+    }
+    std::size_t used = 0;
+    long long T = 0;
+    try {
+      T = std::stoll(arg, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != arg.size() || T < 1)
+      throw std::invalid_argument("argument '" + arg +
+                                  "': expected --sites or a sequence length T >= 1");
+    a.lengths.push_back(index_t(T));
+  }
+  if (a.lengths.empty()) a.lengths = {2048, 4096};
+  return a;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::vector<index_t> lengths;
-  for (int i = 1; i < argc; ++i) lengths.push_back(std::atoll(argv[i]));
-  if (lengths.empty()) lengths = {2048, 4096};
+  Arguments arguments;
+  try {
+    arguments = parse_arguments(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dcmha_cost_model: %s\nusage: dcmha_cost_model [--sites] [T...]\n",
+                 e.what());
+    return 2;
+  }
+  dcmha::cuda::emulator::Counting::sites() = arguments.sites;
   const Ceilings c;
   std::printf(
       "dcmha cost model (a model, not a measurement): H200 ceilings %.0f TFLOP/s bf16, "
@@ -169,7 +263,7 @@ int main(int argc, char** argv) {
       "the units' times add up\n");
   try {
     RunCache cache;
-    for (index_t T : lengths) model(T, cache);
+    for (index_t T : arguments.lengths) model(T, cache, arguments.sites);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dcmha_cost_model: %s\n", e.what());
     return 1;

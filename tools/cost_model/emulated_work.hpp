@@ -286,6 +286,7 @@ struct EmulatedWork {
   Plans plans;
   std::array<index_t, 4> lengths{};
   OperationWork forward, backward;
+  std::array<Counts, 2> longest;  // forward and backward counts at lengths[3], not extrapolated
 };
 
 inline EmulatedWork emulated_work(BenchmarkShape s, const EmulatedRuns& runs) {
@@ -293,6 +294,7 @@ inline EmulatedWork emulated_work(BenchmarkShape s, const EmulatedRuns& runs) {
   result.plans = runs.plans;
   result.lengths = runs.lengths;
   const auto& c = runs.counts;
+  result.longest = c[3];
   for (int op = 0; op < 2; ++op) {
     s.backward = op == 1;
     (op == 0 ? result.forward : result.backward) =

@@ -14,6 +14,20 @@
 
 namespace dcmha::cuda::emulator {
 
+/// One call site's part of a launch's counts (Counting::sites()): what its warp instructions
+/// cost the shared-memory unit, DSMEM and L2.
+struct SiteCounts {
+  std::uint64_t instructions = 0, shared_wavefronts = 0, shuffles = 0;
+  std::uint64_t peer_shared_bytes = 0, global_sectors = 0;
+
+  SiteCounts& operator+=(const SiteCounts& o) {
+    instructions += o.instructions, shared_wavefronts += o.shared_wavefronts;
+    shuffles += o.shuffles, peer_shared_bytes += o.peer_shared_bytes;
+    global_sectors += o.global_sectors;
+    return *this;
+  }
+};
+
 struct Counters {
   std::uint64_t blocks = 0, threads = 0;
   std::uint64_t global_load_bytes = 0, global_load_sectors = 0;
@@ -23,6 +37,9 @@ struct Counters {
   std::uint64_t mma = 0;                // m16n8k16 tensor-core instructions (2,048 multiply-adds)
   std::uint64_t fma = 0, exp = 0;  // CUDA-core multiply-adds and exponentials the kernels count
   std::uint64_t shuffles = 0, block_barriers = 0, cluster_barriers = 0, warp_syncs = 0;
+  // By "file:line kind" (shared load, shared store, global load, global store, shuffle), where
+  // Counting::sites() is on; empty otherwise.
+  std::map<std::string, SiteCounts> sites;
 
   Counters& operator+=(const Counters& o) {
     blocks += o.blocks, threads += o.threads;
@@ -33,6 +50,7 @@ struct Counters {
     mma += o.mma, fma += o.fma, exp += o.exp, shuffles += o.shuffles;
     block_barriers += o.block_barriers, cluster_barriers += o.cluster_barriers;
     warp_syncs += o.warp_syncs;
+    for (const auto& [site, counts] : o.sites) sites[site] += counts;
     return *this;
   }
 };

@@ -124,6 +124,11 @@ class Counting {
     static bool on = false;
     return on;
   }
+  /// Whether counting launches also break their counts down by call site (Counters::sites).
+  static bool& sites() {
+    static bool on = false;
+    return on;
+  }
 };
 
 /// What the tensor cores take: two bf16 or fp16 values in a 32-bit register.
@@ -259,6 +264,8 @@ class ClusterRun {
   void wait_here(int lane_index, Site site);
   void release(int first, int count);
   void close_warp_log(int warp);
+  // Adds one warp instruction's accesses (the lanes' n-th from one call site) to the counters.
+  void count_instruction(const std::vector<LoggedAccess>& same);
   void fail(const std::string& what);
 
   // Shared memory: the blocks' regions at stride_ bytes from base_.
@@ -267,7 +274,7 @@ class ClusterRun {
 
   void execute_ldmatrix(int warp, int count, bool trans, Site site);
   void execute_mma(int warp, MmaType type);
-  void execute_shuffle(int warp);
+  void execute_shuffle(int warp, Site site);
 
   LaunchShape shape_;
   std::vector<Lane>* lanes_;
@@ -477,24 +484,33 @@ inline void ClusterRun::close_warp_log(int warp) {
   const int width = std::min(kLanes, cluster_lanes_ - first);
   std::vector<const std::vector<LoggedAccess>*> lanes;
   for (int i = first; i < first + width; ++i) lanes.push_back(&lane(i).log);
-  for (const std::vector<LoggedAccess>& same : instructions_of(lanes)) {
-    const LoggedAccess& a = same.front();
-    std::uint64_t bytes = 0;
-    for (const LoggedAccess& x : same) bytes += x.bytes;
-    if (a.shared) {
-      counters_.shared_bytes += bytes;
-      counters_.shared_requests += 1;
-      counters_.shared_wavefronts += shared_wavefronts(same);
-      counters_.peer_shared_bytes += peer_bytes_of(same);
-    } else if (a.store) {
-      counters_.global_store_bytes += bytes;
-      counters_.global_store_sectors += sectors_of(same);
-    } else {
-      counters_.global_load_bytes += bytes;
-      counters_.global_load_sectors += sectors_of(same);
-    }
-  }
+  for (const std::vector<LoggedAccess>& same : instructions_of(lanes)) count_instruction(same);
   for (int i = first; i < first + width; ++i) lane(i).log.clear();
+}
+
+inline void ClusterRun::count_instruction(const std::vector<LoggedAccess>& same) {
+  const LoggedAccess& a = same.front();
+  std::uint64_t bytes = 0;
+  for (const LoggedAccess& x : same) bytes += x.bytes;
+  SiteCounts site;
+  site.instructions = 1;
+  if (a.shared) {
+    site.shared_wavefronts = shared_wavefronts(same);
+    site.peer_shared_bytes = peer_bytes_of(same);
+    counters_.shared_bytes += bytes;
+    counters_.shared_requests += 1;
+    counters_.shared_wavefronts += site.shared_wavefronts;
+    counters_.peer_shared_bytes += site.peer_shared_bytes;
+  } else {
+    site.global_sectors = sectors_of(same);
+    (a.store ? counters_.global_store_bytes : counters_.global_load_bytes) += bytes;
+    (a.store ? counters_.global_store_sectors : counters_.global_load_sectors) +=
+        site.global_sectors;
+  }
+  if (!Counting::sites()) return;
+  const char* kind = a.shared ? (a.store ? " shared store" : " shared load")
+                              : (a.store ? " global store" : " global load");
+  counters_.sites[Site{a.file, a.line}.str() + kind] += site;
 }
 
 inline std::size_t ClusterRun::locate(const void* p, std::size_t n, int& block, Site site) {
@@ -588,19 +604,23 @@ inline float HostBlock::shfl_xor(float v, int lane_mask, Site site) const {
   std::memcpy(&me.in[0], &v, 4);
   me.shuffle_mask = lane_mask;
   r.meet(lane_, ClusterRun::Meeting::collective, "shfl_xor", site,
-         [&](int warp) { r.execute_shuffle(warp); });
+         [&](int warp) { r.execute_shuffle(warp, site); });
   float out;
   std::memcpy(&out, &me.out[0], 4);
   return out;
 }
 
-inline void ClusterRun::execute_shuffle(int warp) {
+inline void ClusterRun::execute_shuffle(int warp, Site site) {
   const int first = first_lane_of_warp(warp);
   for (int l = 0; l < kLanes; ++l) {
     Lane& me = lane(first + l);
     me.out[0] = lane(first + (l ^ (me.shuffle_mask & (kLanes - 1)))).in[0];
   }
   counters_.shuffles += 1;
+  if (Counting::enabled() && Counting::sites()) {
+    SiteCounts& counts = counters_.sites[site.str() + " shuffle"];
+    counts.instructions += 1, counts.shuffles += 1;
+  }
 }
 
 inline void HostBlock::ldmatrix(std::uint32_t* out, int count, bool trans, const void* row,
