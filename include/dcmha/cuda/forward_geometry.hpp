@@ -22,17 +22,22 @@ enum class ForwardMode : int {
 /// The forward's launch pieces (split keys: statistics, their combination, values, their sum).
 enum class ForwardPhase : int { whole, split_statistics, split_values };
 
-/// Whether MHA's registers mode gives each warp 32 rows (two m16 tiles sharing each K and V
-/// fragment, as FlashAttention-2's warps do): tensor-core types up to head dim 128. At 256 the
-/// output accumulators of 32 rows (256 floats a lane) would not fit the registers.
+/// Whether the forward leaves a lane registers to spare: tensor-core types up to head dim 128.
+/// At 256 (128 output accumulators a lane in a 16-row warp) the forward takes all 255, and the
+/// float forward spills already at head dim 128 (ptxas, sm_90).
 template <class T, int kHeadDim>
-constexpr bool kTallWarps = kHeadDim <= 128 && kTensorCoreType<T>;
+constexpr bool kForwardRegistersToSpare = kHeadDim <= 128 && kTensorCoreType<T>;
+
+/// Whether MHA's registers mode gives each warp 32 rows (two m16 tiles sharing each K and V
+/// fragment, as FlashAttention-2's warps do), which doubles the output accumulators.
+template <class T, int kHeadDim>
+constexpr bool kTallWarps = kForwardRegistersToSpare<T, kHeadDim>;
 
 /// Rows of a forward compose item (compose_pass.hpp): two, which read each key-wise weight once,
-/// where the registers allow it (the same classes as kTallWarps); one where two rows' values and
-/// projections would spill beside the output accumulators (head dim 256, float storage).
+/// where the registers allow it; one where two rows' values and projections would spill beside
+/// the output accumulators.
 template <class T, int kHeadDim>
-constexpr int kForwardItemRows = kHeadDim <= 128 && kTensorCoreType<T> ? 2 : 1;
+constexpr int kForwardItemRows = kForwardRegistersToSpare<T, kHeadDim> ? 2 : 1;
 
 /// Calls f(std::integral_constant<int, kRowTiles>{}) for the row tiles per warp the geometry's
 /// warp_rows asks for; only the kTallWarps classes compile the tall kernel.
