@@ -82,6 +82,15 @@ step "ctest (-j$JOBS)"
 RECAP+=("release: $(grep -E 'tests passed|tests failed' "$BUILD_DIR/ctest.log" | tail -n 1)")
 skipped=$(grep -c '(Skipped)' "$BUILD_DIR/ctest.log" || true)
 [ "$skipped" -gt 0 ] && RECAP+=("gpu: $skipped tests skipped (no CUDA device here; scripts/gpu_check.sh runs them)")
+# The ptxas tests' registers per kernel (they passed: no kernel spills), from CTest's log.
+ctest_log="$BUILD_DIR/Testing/Temporary/LastTest.log"
+ptxas_lines=$(grep -hE ' registers, spill stores |kernels, [0-9]+ spilling$' "$ctest_log" || true)
+if [ -n "$ptxas_lines" ]; then
+  step "ptxas: the main kernels' registers per thread"
+  printf '%s\n' "$ptxas_lines"
+  units=$(grep -cE 'kernels, 0 spilling$' "$ctest_log")
+  RECAP+=("ptxas: $units kernel units of the main kernels, no spill")
+fi
 
 # The CUDA kernels' cost model (tools/cost_model): a single-threaded emulation of a few minutes,
 # beside the steps below; its table is printed at the end.
