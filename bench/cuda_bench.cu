@@ -213,7 +213,7 @@ void attention(benchmark::State& state, bool dcmha_on, bool backward, index_t B,
     time_iterations(state, [&] {
       dcmha::cuda::forward(cfg, q, k, v, out, lse, c.weights, ws);
       if (backward)
-        dcmha::cuda::backward(cfg, q, k, v, lse, dout, dq, dk, dv, c.weights, c.grads, ws);
+        dcmha::cuda::backward(cfg, q, k, v, out, lse, dout, dq, dk, dv, c.weights, c.grads, ws);
     });
     state.counters["peak_MiB"] = used_mib() - baseline;
     state.counters["workspace_MiB"] = mib(ws.bytes());

@@ -58,10 +58,12 @@ struct EmulatedRun {
     dcmha::cuda::emulate::forward<T>(cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(), tp.compose(),
                                      launch);
   }
-  void backward(const LaunchOptions& launch) {
+  /// With `out` (the forward's output, as a FlashAttention user passes it) or without.
+  void backward(const LaunchOptions& launch, dcmha::TensorView<const T, 4> out) {
     dcmha::cuda::emulate::backward<T>(cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(), tp.dq(),
-                                      tp.dk(), tp.dv(), tp.compose(), tp.dcompose(), launch);
+                                      tp.dk(), tp.dv(), tp.compose(), tp.dcompose(), launch, out);
   }
+  void backward(const LaunchOptions& launch) { backward(launch, tp.out()); }
 };
 
 /// NaN in every padding row and key of x, a (B, L, inner...) tensor of `inner` values per
@@ -101,7 +103,7 @@ void poison_padding(dcmha::reference::Problem& p, std::vector<double>& dout) {
 /// inputs: out, lse and every gradient.
 template <class T>
 void check_case(const Case& c, uint64_t seed,
-                dcmha::test::Layout layout = dcmha::test::Layout::bhtd) {
+                dcmha::test::Layout layout = dcmha::test::Layout::bhtd, bool with_output = true) {
   SCOPED_TRACE(c.str() + " seed=" + std::to_string(seed));
   const dcmha::reference::Problem clean = dcmha::test::storage_problem<T>(problem_of(c, seed));
   std::vector<double> clean_dout = dcmha::test::random_dout(clean, seed);
@@ -120,7 +122,7 @@ void check_case(const Case& c, uint64_t seed,
       ASSERT_TRUE(std::isinf(got_lse[i]) && got_lse[i] < 0) << "lse " << i;
     else
       ASSERT_NEAR(got_lse[i], lse[i], tolerance<T>() * (1 + std::abs(lse[i]))) << "lse " << i;
-  run.backward(c.launch);
+  run.backward(c.launch, with_output ? run.tp.out() : dcmha::TensorView<const T, 4>{});
   for (const auto& e : dcmha::test::gradient_errors(expected, run.tp.gradients()))
     EXPECT_LE(e.rel, tolerance<T>()) << e.name;
 }
@@ -179,6 +181,48 @@ TEST(CudaKernelsEmulated, MhaWarpsOfThirtyTwoRows) {
     s.D = s.Dv = d;
     check_case<bf16>(dcmha::test::with_launch(s), seed++);
   }
+}
+
+TEST(CudaKernelsEmulated, MhaBackwardWithoutTheOutput) {
+  // Without the forward's output, MHA's query side sums each row's D over the keys (pass 1);
+  // every other case gives the output and reads D = sum(dO O) instead.
+  ProblemSpec s = tiled_spec();
+  s.pre = s.post = SideSpec::none();
+  s.D = 16, s.Dv = 24;
+  const auto bhtd = dcmha::test::Layout::bhtd;
+  check_case<bf16>(dcmha::test::with_launch(s, tiles(32)), 90, bhtd, false);
+  s.window = 5, s.T = 45, s.S = 40;
+  check_case<half>(dcmha::test::with_launch(s), 91, bhtd, false);
+  Case c = dcmha::test::with_launch(s, tiles(64));
+  c.spec.B = 3;
+  c.query_lengths = {40, 17, 0};
+  c.key_lengths = {40, 30, 3};
+  check_case<bf16>(c, 92, bhtd, false);
+}
+
+TEST(CudaKernelsEmulated, MhaBackwardReadsTheGivenOutput) {
+  // D comes from `out`: an output that is not the forward's (halved) moves every gradient but dV
+  // (D enters dS = P (dP - D), which dQ and dK are made of) past three times the tolerance.
+  ProblemSpec s = tiled_spec();
+  s.pre = s.post = SideSpec::none();
+  s.D = 16, s.Dv = 24;
+  const Case c = dcmha::test::with_launch(s, tiles(32));
+  const dcmha::reference::Problem p = dcmha::test::storage_problem<bf16>(problem_of(c, 95));
+  std::vector<double> dout = dcmha::test::random_dout(p, 95);
+  for (double& x : dout) x = dcmha::test::round_to<bf16>(x);
+  const auto expected = dcmha::reference::forward_and_backward(p, dout).grads;
+  EmulatedRun<bf16> run(c, p, dout);
+  run.forward(c.launch);
+  std::vector<bf16> halved(run.tp.out_values().size());
+  const std::vector<double> out = run.tp.out_values();
+  for (size_t i = 0; i < out.size(); ++i) halved[i] = bf16(float(out[i] / 2));
+  run.backward(c.launch,
+               dcmha::view<4>(static_cast<const bf16*>(halved.data()), {p.B, p.H, p.T, p.Dv}));
+  for (const auto& e : dcmha::test::gradient_errors(expected, run.tp.gradients()))
+    if (e.name == "grad_v")
+      EXPECT_LE(e.rel, tolerance<bf16>()) << e.name;
+    else
+      EXPECT_GT(e.rel, 3 * tolerance<bf16>()) << e.name;
 }
 
 TEST(CudaKernelsEmulated, MasksAndWindows) {

@@ -465,6 +465,37 @@ TYPED_TEST(Validation, RejectsOutAndDoutShapeMismatch) {
   }
 }
 
+TYPED_TEST(Validation, BackwardChecksTheGivenOutput) {
+  // out is optional in backward; given, it is checked as the forward's: shape, strides, aliasing.
+  const std::pair<int, const char*> cases[] = {
+      {0, "out.shape[0] (B): expected 2 (q.shape[0]), got 9"},
+      {3, "out.shape[3] (Dv): expected 6 (v.shape[3]), got 9"}};
+  auto backward_with_output = [](Problem<TypeParam>& p) {
+    return [&p] {
+      dcmha::backward(p.cfg, p.q, p.k, p.v, p.out, p.lse, p.dout, p.dq, p.dk, p.dv, p.cw, p.cg);
+    };
+  };
+  for (const auto& [dim, needle] : cases) {
+    Problem<TypeParam> p;
+    p.out.shape[dim] = 9;
+    expect_rejected("dcmha::backward", backward_with_output(p), {needle});
+  }
+  {
+    Problem<TypeParam> p;
+    p.out.stride[3] = 2;
+    expect_rejected("dcmha::backward", backward_with_output(p),
+                    {"out.stride[3]: expected 1 (head dim must be contiguous), got 2"});
+  }
+  {
+    Problem<TypeParam> p;
+    p.out.data = p.dq.data;
+    expect_rejected("dcmha::backward", backward_with_output(p),
+                    {"dq: expected memory disjoint from input out"});
+  }
+  Problem<TypeParam> p;
+  EXPECT_NO_THROW(backward_with_output(p)());
+}
+
 TYPED_TEST(Validation, RejectsLseShapeMismatch) {
   const std::pair<int, const char*> cases[] = {
       {0, "lse.shape[0] (B): expected 2 (q.shape[0]), got 9"},

@@ -5,12 +5,17 @@
 //   forward (cfg, q, k, v, out, lse, compose)             DCMHA: the same call plus compose weights
 //   backward(cfg, q, k, v, lse, dout, dq, dk, dv)                   MHA gradients
 //   backward(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose) DCMHA gradients
+//   backward(cfg, q, k, v, out, lse, dout, dq, dk, dv[, compose, dcompose])  the same, given
+//                                                                     the forward's output
 //
 // Logical shapes (any strides; see tensor.hpp for bhtd()/bthd()):
 //   q (B, H, T, D)   k (B, Hk, S, D)   v (B, Hk, S, Dv)   out, dout (B, H, T, Dv)
 //   lse (B, H, T): per-row softmax statistics written by forward and read by backward; the only
 //   state kept between the two (O(B*H*T), never B*H*T*S). Pass an empty view for inference.
 // Hk divides H (GQA: head h reads kv head h / (H / Hk)). Gradients are overwritten, not added.
+// out, given to backward, must be the forward's output for the same inputs and lse: the CUDA
+// MHA backward then takes each row's D = sum(dout * out) from it (FlashAttention's way) instead
+// of a pass over the keys; the CPU backend and DCMHA compute D themselves and only validate it.
 // Scalar types: float, double, and bf16 and fp16 storage (config.hpp: float arithmetic, float
 // lse).
 // Each entry point also takes a trailing Workspace& (after compose / dcompose, which may be {}):
@@ -52,11 +57,12 @@ void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorV
                    TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
                    TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
                    TensorView<T, 4> dv, const ComposeWeights<T>& compose,
-                   const ComposeGrads<T>& dcompose, Workspace* workspace) {
+                   const ComposeGrads<T>& dcompose, Workspace* workspace,
+                   TensorView<const T, 4> out = {}) {
   const char* fn = "dcmha::backward";
   with_allocation_errors(fn, [&] {
     const BackwardParams<T> params =
-        backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
+        backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, out);
     WorkspaceAccess::CallMemory mem(fn, workspace);
     cpu::backward(params, mem.get());
   });
@@ -91,6 +97,22 @@ void backward_impl(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorV
       TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,                              \
       const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose, Workspace& workspace) {  \
     detail::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, &workspace); \
+  }                                                                                               \
+  inline void backward(                                                                           \
+      const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,             \
+      TensorView<const T, 4> v, TensorView<const T, 4> out, TensorView<const acc_t<T>, 3> lse,    \
+      TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv, \
+      const ComposeWeights<T>& compose = {}, const ComposeGrads<T>& dcompose = {}) {              \
+    detail::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, nullptr,     \
+                             out);                                                                \
+  }                                                                                               \
+  inline void backward(                                                                           \
+      const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,             \
+      TensorView<const T, 4> v, TensorView<const T, 4> out, TensorView<const acc_t<T>, 3> lse,    \
+      TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv, \
+      const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose, Workspace& workspace) {  \
+    detail::backward_impl<T>(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, &workspace,  \
+                             out);                                                                \
   }
 
 DCMHA_DEFINE_ATTENTION_ENTRY_POINTS(float)

@@ -72,6 +72,7 @@ struct ForwardParams : QkvParams<T> {
 template <class T>
 struct BackwardParams : QkvParams<T> {
   TensorView<const acc_t<T>, 3> lse;  // the forward's statistics
+  TensorView<const T, 4> out;         // the forward's output, or empty (not given)
   TensorView<const T, 4> dout;
   TensorView<T, 4> dq, dk, dv;  // overwritten
   ComposeGrads<T> dcompose;     // the switched-on terms' gradients, overwritten

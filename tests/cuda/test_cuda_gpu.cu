@@ -115,7 +115,7 @@ void run_on_gpu(const Case& c, TypedProblem<T>& tp, dcmha::cuda::DeviceWorkspace
   const dcmha::ComposeGrads<T> host_grads = tp.dcompose();
   const dcmha::ComposeGrads<T> dcompose{dev.of(host_grads.pre), dev.of(host_grads.post)};
   dcmha::cuda::forward(cfg, q, k, v, out, lse, compose, ws, stream, c.launch);
-  dcmha::cuda::backward(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, ws, stream,
+  dcmha::cuda::backward(cfg, q, k, v, out, lse, dout, dq, dk, dv, compose, dcompose, ws, stream,
                         c.launch);
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
   DeviceMirror::copy_back(out, tp.out()), DeviceMirror::copy_back(lse, tp.lse());

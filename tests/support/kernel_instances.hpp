@@ -20,7 +20,7 @@
       dcmha::TensorView<const T, 4>, dcmha::TensorView<const dcmha::acc_t<T>, 3>,                  \
       dcmha::TensorView<const T, 4>, dcmha::TensorView<T, 4>, dcmha::TensorView<T, 4>,             \
       dcmha::TensorView<T, 4>, const dcmha::ComposeWeights<T>&, const dcmha::ComposeGrads<T>&,     \
-      dcmha::Workspace*);
+      dcmha::Workspace*, dcmha::TensorView<const T, 4>);
 
 #define DCMHA_TEST_DECODE_INSTANCES(PREFIX, T)                                                    \
   PREFIX void dcmha::detail::decode_impl<T>(                                                      \

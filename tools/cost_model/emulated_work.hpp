@@ -142,7 +142,7 @@ inline Plans plans_of(const BenchmarkShape& s) {
   p.forward =
       cuda::forward_launch(fn, detail::forward_params<bf16>(fn, causal(), q, k, v, out, lse, c));
   p.backward = cuda::backward_launch(
-      fn, detail::backward_params<bf16>(fn, causal(), q, k, v, lse, dout, dq, dk, dv, c, g));
+      fn, detail::backward_params<bf16>(fn, causal(), q, k, v, lse, dout, dq, dk, dv, c, g, out));
   return p;
 }
 
@@ -161,8 +161,9 @@ inline std::array<Counts, 2> emulate(const BenchmarkShape& s, const Plans& plans
                                plans.forward_options());
   std::array<Counts, 2> result;
   result[0] = counts();
+  // Given the forward's output, as FlashAttention's backward is (MHA reads D from it).
   cuda::emulate::backward<bf16>(causal(), p.q, p.k, p.v, p.lse, p.dout, p.dq, p.dk, p.dv, p.compose,
-                                p.dcompose, plans.backward_options());
+                                p.dcompose, plans.backward_options(), p.out);
   result[1] = counts();
   cuda::emulator::Counting::enabled() = false;
   return result;

@@ -6,6 +6,8 @@
 //   dcmha::cuda::forward (cfg, q, k, v, out, lse, compose, workspace, stream)
 //   dcmha::cuda::backward(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, workspace,
 //   stream)
+//   dcmha::cuda::backward(cfg, q, k, v, out, lse, dout, ...)  the same, given the forward's
+//   output: MHA then reads each row's D = sum(dout * out) instead of a pass over the keys
 //
 // Every tensor view points to device memory, except cfg.query_lengths / key_lengths, which are
 // host memory (they are validated, then copied into the workspace). Arguments are validated
@@ -161,26 +163,38 @@ void launch_backward(const char* fn, detail::BackwardParams<T> p, DeviceWorkspac
   if (l.key.dkv_per_head) launch(fn, head_grad_kernel<T>, l.head_sums, stream, p, scratch);
 }
 
-#define DCMHA_DEFINE_CUDA_ENTRY_POINTS(T)                                                        \
-  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                      \
-                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,  \
-                      TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& compose,             \
-                      DeviceWorkspace& workspace, cudaStream_t stream = 0,                       \
-                      const LaunchOptions& launch = {}) {                                        \
-    const char* fn = "dcmha::cuda::forward";                                                     \
-    launch_forward(fn, detail::forward_params(fn, cfg, q, k, v, out, lse, compose), workspace,   \
-                   stream, launch);                                                              \
-  }                                                                                              \
-  inline void backward(                                                                          \
-      const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,            \
-      TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout,  \
-      TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,                             \
-      const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose,                         \
-      DeviceWorkspace& workspace, cudaStream_t stream = 0, const LaunchOptions& launch = {}) {   \
-    const char* fn = "dcmha::cuda::backward";                                                    \
-    launch_backward(                                                                             \
-        fn, detail::backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose), \
-        workspace, stream, launch);                                                              \
+#define DCMHA_DEFINE_CUDA_ENTRY_POINTS(T)                                                         \
+  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                       \
+                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,   \
+                      TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& compose,              \
+                      DeviceWorkspace& workspace, cudaStream_t stream = 0,                        \
+                      const LaunchOptions& launch = {}) {                                         \
+    const char* fn = "dcmha::cuda::forward";                                                      \
+    launch_forward(fn, detail::forward_params(fn, cfg, q, k, v, out, lse, compose), workspace,    \
+                   stream, launch);                                                               \
+  }                                                                                               \
+  inline void backward(                                                                           \
+      const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,             \
+      TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout,   \
+      TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,                              \
+      const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose,                          \
+      DeviceWorkspace& workspace, cudaStream_t stream = 0, const LaunchOptions& launch = {}) {    \
+    const char* fn = "dcmha::cuda::backward";                                                     \
+    launch_backward(                                                                              \
+        fn, detail::backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose),  \
+        workspace, stream, launch);                                                               \
+  }                                                                                               \
+  inline void backward(                                                                           \
+      const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,             \
+      TensorView<const T, 4> v, TensorView<const T, 4> out, TensorView<const acc_t<T>, 3> lse,    \
+      TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv, \
+      const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose,                          \
+      DeviceWorkspace& workspace, cudaStream_t stream = 0, const LaunchOptions& launch = {}) {    \
+    const char* fn = "dcmha::cuda::backward";                                                     \
+    launch_backward(                                                                              \
+        fn,                                                                                       \
+        detail::backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, out), \
+        workspace, stream, launch);                                                               \
   }
 
 DCMHA_DEFINE_CUDA_ENTRY_POINTS(float)

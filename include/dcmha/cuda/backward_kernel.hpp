@@ -296,9 +296,13 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     start();
     const detail::KeyRange keys = mask_.rows(b_, t0_, t0_ + rows_real_);
     int stage = 0;
-    for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
-      key_tile(s0, keys, stage);
-      row_dots_step(s0, stage, keys);
+    if (geo_.registers && p_.out.data != nullptr) {
+      output_row_dots();
+    } else {
+      for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
+        key_tile(s0, keys, stage);
+        row_dots_step(s0, stage, keys);
+      }
     }
     finish_row_dots();
     stage = 0;
@@ -430,6 +434,26 @@ class QueryGradKernel : BackwardBlock<T, Block> {
       DCMHA_UNROLL
       for (int j = 0; j < kKeyTiles; ++j) sum += s.c[j][2 * h] + s.c[j][2 * h + 1];
       row_dot_[h] += quad_sum(blk_, sum);
+    }
+  }
+
+  /// Pass 1 for MHA given the forward's output: D = sum over d of dO O per row, which equals
+  /// sum over keys of P dP (O = P V), read from global memory instead of a pass over the keys.
+  DCMHA_INLINE void output_row_dots() {
+    const FragmentPlace f(blk_);
+    const index_t qlen = this->query_length();
+    DCMHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0_ + f.row(2 * h);
+      const index_t t = t0_ + r;
+      float sum = 0;
+      if (r < rows_real_ && t < qlen) {
+        const T* out = &p_.out(b_, head_, t, 0);  // rows with a contiguous head dim
+        const T* dout = &p_.dout(b_, head_, t, 0);
+        for (int d = f.t; d < geo_.Dv; d += 4)
+          sum += float(blk_.load_global(out + d)) * float(blk_.load_global(dout + d));
+      }
+      row_dot_[h] = quad_sum(blk_, sum);
     }
   }
 

@@ -84,10 +84,11 @@ void backward(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<c
               TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
               TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,
               TensorView<T, 4> dv, const ComposeWeights<T>& compose = {},
-              const ComposeGrads<T>& dcompose = {}, const LaunchOptions& opt = {}) {
+              const ComposeGrads<T>& dcompose = {}, const LaunchOptions& opt = {},
+              TensorView<const T, 4> out = {}) {
   const char* fn = "dcmha::cuda::emulate::backward";
   const detail::BackwardParams<T> p =
-      detail::backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
+      detail::backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, out);
   run_backward(p, backward_launch(fn, p, opt));
 }
 

@@ -217,20 +217,34 @@ ForwardParams<T> forward_params(const char* fn, const AttentionConfig& cfg,
   return p;
 }
 
-/// validate_backward, then the backend's parameters of the call.
+/// The backward's optional `out` (the forward's output): its shape, strides, and no byte shared
+/// with a gradient.
+template <class T>
+void validate_backward_output(const char* fn, TensorView<const T, 4> out, const AttentionDims& d,
+                              TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv) {
+  if (out.empty()) return;
+  check_bhtdv(fn, "out", out, d);
+  check_activation_strides(fn, "out", out);
+  check_no_alias(fn, {footprint("dq", dq), footprint("dk", dk), footprint("dv", dv)},
+                 {footprint("out", out)});
+}
+
+/// validate_backward, then the backend's parameters of the call. `out` may be empty.
 template <class T>
 BackwardParams<T> backward_params(const char* fn, const AttentionConfig& cfg,
                                   TensorView<const T, 4> q, TensorView<const T, 4> k,
                                   TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
                                   TensorView<const T, 4> dout, TensorView<T, 4> dq,
                                   TensorView<T, 4> dk, TensorView<T, 4> dv,
-                                  const ComposeWeights<T>& compose,
-                                  const ComposeGrads<T>& dcompose) {
+                                  const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose,
+                                  TensorView<const T, 4> out = {}) {
   BackwardParams<T> p;
   const AttentionDims dims =
       validate_backward(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
+  validate_backward_output(fn, out, dims, dq, dk, dv);
   set_qkv_params(p, dims, cfg, q, k, v, compose);
   p.lse = lse;
+  p.out = out;
   p.dout = dout;
   p.dq = dq;
   p.dk = dk;
