@@ -24,9 +24,9 @@ namespace {
 using dcmha::index_t;
 using namespace dcmha::cost_model;
 
-/// The scaling check's limit: the counts' deviation from a quadratic in T is sector alignment
-/// of host scratch arrays, about 1e-3.
-constexpr double kLargestFitError = 0.01;
+/// The scaling check's limit: with every array aligned as on the device, the counts are
+/// quadratics in T, so anything beyond rounding means the extrapolation's premise broke.
+constexpr double kLargestFitError = 1e-6;
 
 /// An operation's modeled time: each launch bounded by its slowest unit (overlapped) or by the
 /// sum of its units (serialized); launches run one after another.

@@ -36,7 +36,7 @@ class EmulatedProblem {
     out = tensor<4>({B, H, T, D}, 0), dq = tensor<4>({B, H, T, D}, 0);
     dk = tensor<4>({B, H, T, D}, 0), dv = tensor<4>({B, H, T, D}, 0);
     lse_storage_.assign(std::size_t(B * H * T) + 64, 0.0f);
-    lse = view<3>(aligned(lse_storage_, B * H * T), {B, H, T});
+    lse = view<3>(cuda::emulate::aligned_as_on_device(lse_storage_, B * H * T), {B, H, T});
     if (s.dcmha)
       for (int side = 0; side < 2; ++side) add_terms(side);
   }
@@ -47,21 +47,12 @@ class EmulatedProblem {
   ComposeGrads<bf16> dcompose;
 
  private:
-  /// The first 256-byte aligned address of `storage` with room for n elements after it, as
-  /// cudaMalloc aligns: a sector count must not depend on where the host's allocator put it.
-  template <class U>
-  static U* aligned(std::vector<U>& storage, index_t n) {
-    void* base = storage.data();
-    std::size_t room = storage.size() * sizeof(U);
-    return static_cast<U*>(std::align(256, std::size_t(n) * sizeof(U), base, room));
-  }
-
   template <int N>
   TensorView<bf16, N> tensor(const Shape<N>& shape, float scale) {
     index_t n = 1;
     for (index_t e : shape) n *= e;
     storage_.emplace_back(std::size_t(n) + 128);
-    bf16* data = aligned(storage_.back(), n);
+    bf16* data = cuda::emulate::aligned_as_on_device(storage_.back(), n);
     std::normal_distribution<float> normal(0.0f, scale);
     for (index_t i = 0; i < n; ++i) data[i] = bf16(scale > 0 ? normal(rng_) : 0.0f);
     return view<N>(data, shape);

@@ -3,6 +3,7 @@
 // entry points' call shape: what the tests check against the reference on machines without a
 // GPU. Memory is host memory; LaunchOptions choose tiles, clusters, splits and the device limits
 // the plan assumes (an sm_90 by default).
+#include <memory>
 #include <vector>
 
 #include "../decode/decode_params.hpp"
@@ -14,6 +15,22 @@
 namespace dcmha::cuda::emulate {
 
 using emulator::HostBlock;
+
+/// The first 256-byte aligned address in `storage` with room for n elements after it (storage
+/// holds 256 bytes more), as cudaMalloc and the device workspace align: the emulator's sector
+/// counts must not depend on where the host's allocator put the memory.
+template <class U>
+U* aligned_as_on_device(std::vector<U>& storage, index_t n) {
+  void* base = storage.data();
+  std::size_t room = storage.size() * sizeof(U);
+  return static_cast<U*>(std::align(256, static_cast<std::size_t>(n) * sizeof(U), base, room));
+}
+
+/// n zeroed floats of scratch in `storage`, aligned as on the device.
+inline float* scratch_as_on_device(std::vector<float>& storage, index_t n) {
+  storage.assign(static_cast<std::size_t>(n) + 256 / sizeof(float), 0.0f);
+  return aligned_as_on_device(storage, n);
+}
 
 /// The forward's launches (launch_forward's twin, on host memory).
 template <class T>
@@ -33,8 +50,9 @@ void run_forward(const detail::ForwardParams<T>& p, const ForwardLaunch& l) {
       blocks("forward", ForwardPhase::whole, KeySplit{});
       return 0;
     }
-    std::vector<float> scratch(static_cast<std::size_t>(l.scratch_elements(p.dims)));
-    const KeySplit split = l.carve(scratch.data(), p.dims);
+    std::vector<float> storage;
+    const KeySplit split =
+        l.carve(scratch_as_on_device(storage, l.scratch_elements(p.dims)), p.dims);
     blocks("forward_split_statistics", ForwardPhase::split_statistics, split);
     emulator::launch("combine_split_statistics", l.per_sequence.shape,
                      [&](const HostBlock& blk) { combine_split_statistics(blk, p, split); });
@@ -58,8 +76,9 @@ void forward(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<co
 template <class T>
 void run_backward(const detail::BackwardParams<T>& p, const BackwardLaunch& l) {
   const BackwardScratchSizes sizes = backward_scratch_sizes(p.dims, l);
-  std::vector<float> memory(static_cast<std::size_t>(sizes.total()), 0.0f);
-  const BackwardScratch scratch = carve_scratch(memory.data(), sizes);
+  std::vector<float> storage;
+  const BackwardScratch scratch =
+      carve_scratch(scratch_as_on_device(storage, sizes.total()), sizes);
   dispatch_head_dim(l.head_dim, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
     emulator::launch("backward_query", l.query_blocks.shape, [&](const HostBlock& blk) {
