@@ -183,9 +183,10 @@ TEST(CudaKernelsEmulated, MhaWarpsOfThirtyTwoRows) {
   }
 }
 
-TEST(CudaKernelsEmulated, MhaBackwardWithoutTheOutput) {
-  // Without the forward's output, MHA's query side sums each row's D over the keys (pass 1);
-  // every other case gives the output and reads D = sum(dO O) instead.
+TEST(CudaKernelsEmulated, BackwardWithoutTheOutput) {
+  // Without the forward's output, the query side sums each row's D over the keys (pass 1);
+  // every other case gives the output, from which MHA and pre-compose-only DCMHA read
+  // D = sum(dO O) instead (with Compose_post on, pass 1 runs either way).
   ProblemSpec s = tiled_spec();
   s.pre = s.post = SideSpec::none();
   s.D = 16, s.Dv = 24;
@@ -198,31 +199,42 @@ TEST(CudaKernelsEmulated, MhaBackwardWithoutTheOutput) {
   c.query_lengths = {40, 17, 0};
   c.key_lengths = {40, 30, 3};
   check_case<bf16>(c, 92, bhtd, false);
+  s.pre = SideSpec::dynamic();  // pre-compose only: the chain's own pass 1
+  check_case<float>(dcmha::test::with_launch(s), 93, bhtd, false);
 }
 
-TEST(CudaKernelsEmulated, MhaBackwardReadsTheGivenOutput) {
-  // D comes from `out`: an output that is not the forward's (halved) moves every gradient but dV
-  // (D enters dS = P (dP - D), which dQ and dK are made of) past three times the tolerance.
+/// D comes from `out`: an output that is not the forward's (halved) moves dQ and dK past three
+/// times the tolerance (D enters dS = P (dP - D), which they are made of) and leaves dV exact.
+template <class T>
+void expect_row_dots_from_the_output(const Case& c, uint64_t seed) {
+  SCOPED_TRACE(c.str());
+  const dcmha::reference::Problem p = dcmha::test::storage_problem<T>(problem_of(c, seed));
+  std::vector<double> dout = dcmha::test::random_dout(p, seed);
+  for (double& x : dout) x = dcmha::test::round_to<T>(x);
+  const auto expected = dcmha::reference::forward_and_backward(p, dout).grads;
+  EmulatedRun<T> run(c, p, dout);
+  run.forward(c.launch);
+  const std::vector<double> out = run.tp.out_values();
+  std::vector<T> halved(out.size());
+  for (size_t i = 0; i < out.size(); ++i) halved[i] = T(float(out[i] / 2));
+  run.backward(c.launch,
+               dcmha::view<4>(static_cast<const T*>(halved.data()), {p.B, p.H, p.T, p.Dv}));
+  for (const auto& e : dcmha::test::gradient_errors(expected, run.tp.gradients())) {
+    if (e.name == "grad_v") {
+      EXPECT_LE(e.rel, tolerance<T>()) << e.name;
+    } else if (e.name == "grad_q" || e.name == "grad_k") {
+      EXPECT_GT(e.rel, 3 * tolerance<T>()) << e.name;
+    }
+  }
+}
+
+TEST(CudaKernelsEmulated, BackwardReadsTheGivenOutput) {
   ProblemSpec s = tiled_spec();
   s.pre = s.post = SideSpec::none();
   s.D = 16, s.Dv = 24;
-  const Case c = dcmha::test::with_launch(s, tiles(32));
-  const dcmha::reference::Problem p = dcmha::test::storage_problem<bf16>(problem_of(c, 95));
-  std::vector<double> dout = dcmha::test::random_dout(p, 95);
-  for (double& x : dout) x = dcmha::test::round_to<bf16>(x);
-  const auto expected = dcmha::reference::forward_and_backward(p, dout).grads;
-  EmulatedRun<bf16> run(c, p, dout);
-  run.forward(c.launch);
-  std::vector<bf16> halved(run.tp.out_values().size());
-  const std::vector<double> out = run.tp.out_values();
-  for (size_t i = 0; i < out.size(); ++i) halved[i] = bf16(float(out[i] / 2));
-  run.backward(c.launch,
-               dcmha::view<4>(static_cast<const bf16*>(halved.data()), {p.B, p.H, p.T, p.Dv}));
-  for (const auto& e : dcmha::test::gradient_errors(expected, run.tp.gradients()))
-    if (e.name == "grad_v")
-      EXPECT_LE(e.rel, tolerance<bf16>()) << e.name;
-    else
-      EXPECT_GT(e.rel, 3 * tolerance<bf16>()) << e.name;
+  expect_row_dots_from_the_output<bf16>(dcmha::test::with_launch(s, tiles(32)), 95);
+  s.pre = SideSpec::all();  // the chain's mode, pre-compose only
+  expect_row_dots_from_the_output<float>(dcmha::test::with_launch(s), 96);
 }
 
 TEST(CudaKernelsEmulated, MasksAndWindows) {

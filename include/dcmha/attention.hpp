@@ -14,8 +14,9 @@
 //   state kept between the two (O(B*H*T), never B*H*T*S). Pass an empty view for inference.
 // Hk divides H (GQA: head h reads kv head h / (H / Hk)). Gradients are overwritten, not added.
 // out, given to backward, must be the forward's output for the same inputs and lse: the CUDA
-// MHA backward then takes each row's D = sum(dout * out) from it (FlashAttention's way) instead
-// of a pass over the keys; the CPU backend and DCMHA compute D themselves and only validate it.
+// backward then takes each row's D = sum(dout * out) from it (FlashAttention's way) instead of
+// a pass over the keys, where Compose_post is off (MHA included); with Compose_post on, and on
+// the CPU, D is computed as without it and `out` is only validated.
 // Scalar types: float, double, and bf16 and fp16 storage (config.hpp: float arithmetic, float
 // lse).
 // Each entry point also takes a trailing Workspace& (after compose / dcompose, which may be {}):

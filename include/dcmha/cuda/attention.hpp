@@ -7,7 +7,8 @@
 //   dcmha::cuda::backward(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, workspace,
 //   stream)
 //   dcmha::cuda::backward(cfg, q, k, v, out, lse, dout, ...)  the same, given the forward's
-//   output: MHA then reads each row's D = sum(dout * out) instead of a pass over the keys
+//   output: without Compose_post (MHA included) each row's D = sum(dout * out) is read from it
+//   instead of summed in a pass over the keys
 //
 // Every tensor view points to device memory, except cfg.query_lengths / key_lengths, which are
 // host memory (they are validated, then copied into the workspace). Arguments are validated

@@ -296,7 +296,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     start();
     const detail::KeyRange keys = mask_.rows(b_, t0_, t0_ + rows_real_);
     int stage = 0;
-    if (geo_.registers && p_.out.data != nullptr) {
+    // Without Compose_post, O = P V per head, so D = rowsum(dO O) (FlashAttention's row dots).
+    if (p_.out.data != nullptr && !geo_.terms.post.enabled()) {
       output_row_dots();
     } else {
       for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
@@ -437,8 +438,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     }
   }
 
-  /// Pass 1 for MHA given the forward's output: D = sum over d of dO O per row, which equals
-  /// sum over keys of P dP (O = P V), read from global memory instead of a pass over the keys.
+  /// Pass 1 given the forward's output, without Compose_post: D = sum over d of dO O per row,
+  /// which equals sum over keys of P dP (O = P V), read instead of a pass over the keys.
   DCMHA_INLINE void output_row_dots() {
     const FragmentPlace f(blk_);
     const index_t qlen = this->query_length();
