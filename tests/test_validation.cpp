@@ -492,6 +492,13 @@ TYPED_TEST(Validation, BackwardChecksTheGivenOutput) {
     expect_rejected("dcmha::backward", backward_with_output(p),
                     {"dq: expected memory disjoint from input out"});
   }
+  {
+    Problem<TypeParam> p;
+    p.compose_all();
+    p.cg.pre.qdd.data = p.out.data;  // (B, T, G, M): inside out's (B, H, T, Dv)
+    expect_rejected("dcmha::backward", backward_with_output(p),
+                    {"dcompose.pre.qdd: expected memory disjoint from input out"});
+  }
   Problem<TypeParam> p;
   EXPECT_NO_THROW(backward_with_output(p)());
 }

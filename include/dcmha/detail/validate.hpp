@@ -143,7 +143,8 @@ AttentionDims validate_backward(const char* fn, const AttentionConfig& cfg,
                                 TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,
                                 TensorView<const T, 4> dout, TensorView<T, 4> dq,
                                 TensorView<T, 4> dk, TensorView<T, 4> dv,
-                                const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose) {
+                                const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose,
+                                TensorView<const T, 4> out = {}) {
   validate_config(fn, cfg);
   AttentionDims d = validate_qkv(fn, q, k, v);
   validate_lengths(fn, cfg, d);
@@ -172,6 +173,11 @@ AttentionDims validate_backward(const char* fn, const AttentionConfig& cfg,
 
   std::vector<Footprint> inputs{footprint("q", q), footprint("k", k), footprint("v", v),
                                 footprint("lse", lse), footprint("dout", dout)};
+  if (!out.empty()) {  // optional: the forward's output, checked as forward checks it
+    check_bhtdv(fn, "out", out, d);
+    check_activation_strides(fn, "out", out);
+    inputs.push_back(footprint("out", out));
+  }
   const ComposeRefs refs{{d.B, "q.shape[0]"}, {d.T, "q.shape[2]"}, {d.S, "k.shape[2]"}, {}, {}};
   d.G = validate_compose(fn, compose, d.H, refs, inputs);
   d.M = d.H / d.G;
@@ -217,18 +223,6 @@ ForwardParams<T> forward_params(const char* fn, const AttentionConfig& cfg,
   return p;
 }
 
-/// The backward's optional `out` (the forward's output): its shape, strides, and no byte shared
-/// with a gradient.
-template <class T>
-void validate_backward_output(const char* fn, TensorView<const T, 4> out, const AttentionDims& d,
-                              TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv) {
-  if (out.empty()) return;
-  check_bhtdv(fn, "out", out, d);
-  check_activation_strides(fn, "out", out);
-  check_no_alias(fn, {footprint("dq", dq), footprint("dk", dk), footprint("dv", dv)},
-                 {footprint("out", out)});
-}
-
 /// validate_backward, then the backend's parameters of the call. `out` may be empty.
 template <class T>
 BackwardParams<T> backward_params(const char* fn, const AttentionConfig& cfg,
@@ -240,8 +234,7 @@ BackwardParams<T> backward_params(const char* fn, const AttentionConfig& cfg,
                                   TensorView<const T, 4> out = {}) {
   BackwardParams<T> p;
   const AttentionDims dims =
-      validate_backward(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
-  validate_backward_output(fn, out, dims, dq, dk, dv);
+      validate_backward(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, out);
   set_qkv_params(p, dims, cfg, q, k, v, compose);
   p.lse = lse;
   p.out = out;
