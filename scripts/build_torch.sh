@@ -12,11 +12,10 @@ PYTHON="${PYTHON:-python3}"
 
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
   echo "build_torch.sh: $PYTHON ($(command -v "$PYTHON" || echo 'not found')) cannot import torch." >&2
-  for candidate in /usr/bin/python3; do
-    if [ "$(command -v "$PYTHON")" != "$candidate" ] && "$candidate" -c "import torch" 2>/dev/null; then
-      echo "  $candidate can: PYTHON=$candidate bash scripts/build_torch.sh $1" >&2
-    fi
-  done
+  debian_python=/usr/bin/python3
+  if [ "$(command -v "$PYTHON")" != "$debian_python" ] && "$debian_python" -c "import torch" 2>/dev/null; then
+    echo "  $debian_python can: PYTHON=$debian_python bash scripts/build_torch.sh $1" >&2
+  fi
   echo "  (Debian: apt-get install python3-torch libtorch-dev, then PYTHON=/usr/bin/python3)" >&2
   exit 1
 fi

@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Helpers shared by scripts/test.sh and scripts/bench.sh; sourced, not run.
 
 step() { printf '\n==> %s\n' "$*"; }

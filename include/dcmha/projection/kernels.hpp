@@ -44,7 +44,7 @@ class ThreadScope {
   ThreadScope& operator=(const ThreadScope&) = delete;
 
  private:
-  int saved_ = 1;
+  [[maybe_unused]] int saved_ = 1;  // read only with OpenMP
 };
 
 template <class A>
