@@ -28,7 +28,7 @@ enum class AttentionBreak {
   outputs_overlap,          // two outputs sharing memory
   output_self_overlap,      // an output with a zero stride on a dim of size > 1
   bad_config,               // negative window or thread count, non-finite scale
-  missing_tensor,           // q, k, v, out (backward: lse, dout, dq, dk, dv too) not given
+  missing_tensor,           // q, k, v, forward's out (backward: lse, dout, dq, dk, dv) not given
   zero_size,                // a zero dim in q, k or v
   count
 };
@@ -283,9 +283,12 @@ class AttentionBreaker {
   }
 
   std::string missing_tensor(unsigned x) {
+    // The backward's `out` is optional (not given: D from a pass over the keys), so never broken.
     std::vector<AnyView*> c;
     for (AnyView& v : views_)
-      if (v.given() && (is_activation(v) || (v.name == "lse" && !v.output))) c.push_back(&v);
+      if (v.given() && (is_activation(v) || (v.name == "lse" && !v.output)) &&
+          !(dcompose_ && v.name == "out"))
+        c.push_back(&v);
     AnyView* v = choose(c, x);
     v->set_data(nullptr);
     return v->name + " not given";
@@ -343,6 +346,7 @@ std::vector<AnyView> views_of(BackwardCall<T>& c) {
   add_side_views(v, c.compose.post, "compose.post.", false);
   add_side_views(v, c.dcompose.pre, "dcompose.pre.", true);
   add_side_views(v, c.dcompose.post, "dcompose.post.", true);
+  if (c.with_out) v.push_back(any_view("out", c.out, false, "BHTD"));
   return v;
 }
 

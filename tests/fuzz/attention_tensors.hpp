@@ -99,6 +99,7 @@ struct ForwardCall {
   }
 };
 
+/// The backward's two call shapes: without the forward's output, or given it (`with_out`).
 template <class T>
 struct BackwardCall {
   AttentionConfig cfg;
@@ -108,9 +109,15 @@ struct BackwardCall {
   TensorView<T, 4> dq, dk, dv;
   ComposeWeights<T> compose;
   ComposeGrads<T> dcompose;
+  bool with_out = false;
+  TensorView<const T, 4> out;
 
   void run(Workspace* ws) const {
-    if (ws)
+    if (with_out && ws)
+      dcmha::backward(cfg, q, k, v, out, lse, dout, dq, dk, dv, compose, dcompose, *ws);
+    else if (with_out)
+      dcmha::backward(cfg, q, k, v, out, lse, dout, dq, dk, dv, compose, dcompose);
+    else if (ws)
       dcmha::backward(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, *ws);
     else
       dcmha::backward(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose);
@@ -166,9 +173,20 @@ class AttentionTensors {
             act[kOut].view(), lse.view(),      compose()};
   }
   BackwardCall<T> backward_call(int threads) const {
-    return {config(threads), act[kQ].cview(),    act[kK].cview(), act[kV].cview(),
-            lse.view(),      act[kDout].cview(), act[kDq].view(), act[kDk].view(),
-            act[kDv].view(), compose(),          dcompose()};
+    const TensorView<const T, 4> out = a_.with_out ? act[kOut].cview() : TensorView<const T, 4>{};
+    return {config(threads),
+            act[kQ].cview(),
+            act[kK].cview(),
+            act[kV].cview(),
+            lse.view(),
+            act[kDout].cview(),
+            act[kDq].view(),
+            act[kDk].view(),
+            act[kDv].view(),
+            compose(),
+            dcompose(),
+            a_.with_out,
+            out};
   }
 
   /// The gradients written, in the reference's layout (switched-on terms only).

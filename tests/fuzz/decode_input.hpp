@@ -110,7 +110,11 @@ class CaseDecoder {
     a.lse = read_layout<3>(false);
     a.compose_layout = in_.byte() % 4;
     a.with_lse = op == Op::backward || !in_.chance(64);
-    a.workspace = in_.flag();
+    // One byte for both (bit 1 was unused), so that the corpus decodes as it did before the
+    // backward took the forward's output.
+    const std::uint8_t call = in_.byte();
+    a.workspace = (call & 1) != 0;
+    a.with_out = op == Op::backward && (call & 2) != 0;
   }
 
   void read_attention_sizes(AttentionCase& a) {

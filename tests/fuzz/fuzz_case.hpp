@@ -66,6 +66,7 @@ struct AttentionCase {
   std::uint8_t compose_layout = 0;  // 0: dense; else permuted and padded (seeded)
   bool with_lse = true;             // forward: lse given (inference passes none)
   bool workspace = false;           // calls through one Workspace
+  bool with_out = false;            // backward: given the forward's output
 
   std::string str() const;
 };
@@ -150,6 +151,7 @@ inline std::string AttentionCase::str() const {
   if (compose_layout) s += " compose_layout" + std::to_string(compose_layout);
   if (!with_lse) s += " no-lse";
   if (workspace) s += " workspace";
+  if (with_out) s += " out-given";
   return s;
 }
 
