@@ -75,8 +75,7 @@ if [ "${FUZZ_SECONDS:-60}" -gt 0 ]; then
   fuzz_build=$!
 fi
 
-# In parallel, as the sanitized suite: test_cuda_kernels waits on its host threads' barriers
-# more than it computes, and the other tests fill the core it leaves.
+# In parallel, as the sanitized suite: the fuzzer's build ahead takes a core part of the time.
 step "ctest (-j$JOBS)"
 (cd "$BUILD_DIR" && ctest --output-on-failure -j "$JOBS") | tee "$BUILD_DIR/ctest.log"
 RECAP+=("release: $(grep -E 'tests passed|tests failed' "$BUILD_DIR/ctest.log" | tail -n 1)")
