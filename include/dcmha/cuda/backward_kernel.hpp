@@ -124,28 +124,37 @@ class BackwardBlock {
 
   /// The compose weights' gradients along the kernel's axis are summed per pair (resident line,
   /// own head): line a row (query side) or a key (key side) of the block. A warp takes the pairs
-  /// of one head and lines_per_warp() consecutive lines at a time, the rest of its lanes per pair
-  /// splitting the tile's other axis; the pair's first lane owns its sums, in shared memory
-  /// between tiles, [pair][side][w1 r, w2 r, dd]. Query side: 4 rows x 8 keys a step, key
-  /// side: 8 keys x 4 rows, so that each step reads whole bank rows of the tiles.
+  /// of kHeadsPerLane heads and lines_per_warp() consecutive lines at a time, the rest of its
+  /// lanes per line splitting the tile's other axis, so that a lane reads each projection sum
+  /// once for its heads (the sums are the composer's, alike for every head); the line's first
+  /// lane owns its pairs' sums, in shared memory between tiles, [pair][side][w1 r, w2 r, dd].
+  /// Query side: 4 rows x 8 keys a step, key side: 8 keys x 4 rows, so that each step reads
+  /// whole bank rows of the tiles.
+  static constexpr int kHeadsPerLane = 2;
   template <int kHeadDim>
   DCMHA_INLINE float* weight_grads(const BackwardTiles<T, kHeadDim>& sh, int pair, int side) const {
     return at_offset<float>(sh.base, geo_.layout.grads) +
            (index_t(pair) * 2 + side) * (2 * kMaxRank + 1);
   }
   DCMHA_INLINE int pairs() const { return geo_.registers ? 0 : geo_.rows * geo_.own_heads; }
+  DCMHA_INLINE int pair_of(int line, int head) const { return head * geo_.rows + line; }
   DCMHA_INLINE int lines_per_warp() const { return geo_.key_side ? 8 : 4; }
 
-  /// Where this lane works on the weight gradients: f(pair, line, j, owner) for each group of
-  /// lines its warp takes (warp-uniform: every lane calls f, `pair` < 0 past the lines).
+  /// Where this lane works on the weight gradients: f(line, first_head, heads, owner) for each
+  /// group of lines and heads its warp takes (warp-uniform: every lane calls f; line < 0 past the
+  /// lines), heads [first_head, first_head + heads) of the line.
   template <class F>
-  DCMHA_INLINE void for_each_pair_group(F&& f) const {
+  DCMHA_INLINE void for_each_line_group(F&& f) const {
     const int lines = lines_per_warp(), lanes = kWarpSize / lines, lane = lane_of(blk_);
     const int groups = (geo_.rows + lines - 1) / lines, warps = blk_.threads() / kWarpSize;
-    for (int unit = warp_of(blk_); unit < groups * geo_.own_heads; unit += warps) {
-      const int j = unit / groups, line = unit % groups * lines + lane / lanes;
-      const int pair = line < geo_.rows ? j * geo_.rows + line : -1;
-      f(pair, line, j, pair >= 0 && lane % lanes == 0);
+    const int head_groups = (geo_.own_heads + kHeadsPerLane - 1) / kHeadsPerLane;
+    for (int unit = warp_of(blk_); unit < groups * head_groups; unit += warps) {
+      const int first_head = unit / groups * kHeadsPerLane;
+      const int heads =
+          geo_.own_heads - first_head < kHeadsPerLane ? geo_.own_heads - first_head : kHeadsPerLane;
+      const int line = unit % groups * lines + lane / lanes;
+      const bool real = line < geo_.rows;
+      f(real ? line : -1, first_head, heads, real && lane % lanes == 0);
     }
   }
 
@@ -153,68 +162,105 @@ class BackwardBlock {
   template <int kHeadDim>
   DCMHA_INLINE void zero_weight_grads(const BackwardTiles<T, kHeadDim>& sh) const {
     if (pairs() == 0) return;
-    for_each_pair_group([&](int pair, int, int, bool owner) {
+    for_each_line_group([&](int line, int first_head, int heads, bool owner) {
       if (!owner) return;
-      for (int i = 0; i < 2 * (2 * kMaxRank + 1); ++i)
-        blk_.store_shared(weight_grads(sh, pair, 0) + i, 0.0f);
+      for (int h = 0; h < heads; ++h)
+        for (int i = 0; i < 2 * (2 * kMaxRank + 1); ++i)
+          blk_.store_shared(weight_grads(sh, pair_of(line, first_head + h), 0) + i, 0.0f);
     });
   }
 
-  /// Adds the tile's terms to the pairs: x and dy from the own head's chain tiles, the
+  /// Adds the tile's terms to the pairs: x and dy from the own heads' chain tiles, the
   /// projections from the block that composed the line, summed over the tile's other axis (each
-  /// lane its share in order, then the pair's lanes by shuffles).
+  /// lane its share in order, then the line's lanes by shuffles).
   template <int kHeadDim>
   DCMHA_INLINE void accumulate_weight_grads(const BackwardTiles<T, kHeadDim>& sh) const {
     if (pairs() == 0) return;
-    const bool query_axis = !geo_.key_side;
-    const int others = geo_.key_side ? kStreamRows : kKeys;
-    const int lanes = kWarpSize / lines_per_warp(), first = lane_of(blk_) % lanes;
-    const ChainSums sums = sh.sums();
-    const ChainTiles chain = sh.chain();
-    for_each_pair_group([&](int pair, int line, int j, bool owner) {
-      const int composer = line / geo_.slice, local = line - composer * geo_.slice;
+    const int lanes = kWarpSize / lines_per_warp();
+    for_each_line_group([&](int line, int first_head, int heads, bool owner) {
       DCMHA_UNROLL
       for (int side = 0; side < 2; ++side) {
         const detail::ComposeTermSet& t = side == 0 ? geo_.terms.pre : geo_.terms.post;
-        if (!(query_axis ? t.query_wise : t.key_wise)) continue;
-        const int R = int(query_axis ? t.query_rank : t.key_rank);
-        const ScoreTile x = (side == 0 ? chain.scores : chain.probs).head(j);
-        const ScoreTile dy = (side == 0 ? chain.softmax_grad : chain.upstream).head(j);
-        float w1[kMaxRank] = {}, w2[kMaxRank] = {}, dd = 0;
-        for (int o = first; o < others && pair >= 0; o += lanes) {
-          const int row = query_axis ? line : o, key = query_axis ? o : line;
-          const int sum_row = query_axis ? local : o, sum_key = query_axis ? o : local;
-          const float xv = blk_.load_shared(x.at(row, key));
-          const float dyv = blk_.load_shared(dy.at(row, key));
-          dd += xv * dyv;
+        if (!(geo_.key_side ? t.key_wise : t.query_wise)) continue;
+        const int R = int(geo_.key_side ? t.key_rank : t.query_rank);
+        const LineSums sums = line_sums(sh, side, line, first_head, heads);
+        blk_.count_fma(index_t(geo_.key_side ? kStreamRows : kKeys) * (1 + 2 * R) * heads / lanes);
+        DCMHA_UNROLL
+        for (int h = 0; h < kHeadsPerLane; ++h) {
+          if (!owner || h >= heads) continue;
+          float* acc = weight_grads(sh, pair_of(line, first_head + h), side);
+          auto add = [&](int i) {
+            blk_.store_shared(acc + i, blk_.load_shared(acc + i) + sums.at[h][i]);
+          };
           DCMHA_UNROLL
-          for (int k = 0; k < kMaxRank; ++k) {
-            if (k >= R) continue;
-            w1[k] += xv * blk_.load_shared(
-                              blk_.peer_shared(sums.at(side, 1, k, sum_row, sum_key), composer));
-            w2[k] += dyv * blk_.load_shared(
-                               blk_.peer_shared(sums.at(side, 0, k, sum_row, sum_key), composer));
-          }
+          for (int k = 0; k < kMaxRank; ++k)
+            if (k < R) add(k), add(kMaxRank + k);
+          add(2 * kMaxRank);
         }
-        blk_.count_fma(index_t(others) * (1 + 2 * R) / lanes);
-        dd = sum_over_parts(blk_, dd, lanes);
-        DCMHA_UNROLL
-        for (int k = 0; k < kMaxRank; ++k) {
-          if (k >= R) continue;
-          w1[k] = sum_over_parts(blk_, w1[k], lanes);
-          w2[k] = sum_over_parts(blk_, w2[k], lanes);
-        }
-        if (!owner) continue;
-        float* acc = weight_grads(sh, pair, side);
-        DCMHA_UNROLL
-        for (int k = 0; k < kMaxRank; ++k) {
-          if (k >= R) continue;
-          blk_.store_shared(acc + k, blk_.load_shared(acc + k) + w1[k]);
-          blk_.store_shared(acc + kMaxRank + k, blk_.load_shared(acc + kMaxRank + k) + w2[k]);
-        }
-        blk_.store_shared(acc + 2 * kMaxRank, blk_.load_shared(acc + 2 * kMaxRank) + dd);
       }
     });
+  }
+
+  /// One side's terms of a line's heads in this tile, [head][w1 r, w2 r, dd], summed over the
+  /// line's lanes (every lane of the line holds the sums).
+  struct LineSums {
+    float at[kHeadsPerLane][2 * kMaxRank + 1];
+  };
+  template <int kHeadDim>
+  DCMHA_INLINE LineSums line_sums(const BackwardTiles<T, kHeadDim>& sh, int side, int line,
+                                  int first_head, int heads) const {
+    const bool query_axis = !geo_.key_side;
+    const int others = geo_.key_side ? kStreamRows : kKeys;
+    const int lanes = kWarpSize / lines_per_warp(), first = lane_of(blk_) % lanes;
+    const detail::ComposeTermSet& t = side == 0 ? geo_.terms.pre : geo_.terms.post;
+    const int R = int(query_axis ? t.query_rank : t.key_rank);
+    const ChainSums projections = sh.sums();
+    const ChainTiles chain = sh.chain();
+    const int composer = line / geo_.slice, local = line - composer * geo_.slice;
+    LineSums sums = {};
+    for (int o = first; o < others && line >= 0; o += lanes) {
+      const int row = query_axis ? line : o, key = query_axis ? o : line;
+      const int sum_row = query_axis ? local : o, sum_key = query_axis ? o : local;
+      float p1[kMaxRank], p2[kMaxRank];  // the composer's projections, alike for every head
+      DCMHA_UNROLL
+      for (int k = 0; k < kMaxRank; ++k) {
+        if (k >= R) continue;
+        p1[k] = blk_.load_shared(
+            blk_.peer_shared(projections.at(side, 1, k, sum_row, sum_key), composer));
+        p2[k] = blk_.load_shared(
+            blk_.peer_shared(projections.at(side, 0, k, sum_row, sum_key), composer));
+      }
+      DCMHA_UNROLL
+      for (int h = 0; h < kHeadsPerLane; ++h) {
+        if (h >= heads) continue;
+        const int j = first_head + h;
+        const float xv =
+            blk_.load_shared((side == 0 ? chain.scores : chain.probs).head(j).at(row, key));
+        const float dyv = blk_.load_shared(
+            (side == 0 ? chain.softmax_grad : chain.upstream).head(j).at(row, key));
+        float* s = sums.at[h];
+        s[2 * kMaxRank] += xv * dyv;
+        DCMHA_UNROLL
+        for (int k = 0; k < kMaxRank; ++k) {
+          if (k >= R) continue;
+          s[k] += xv * p1[k];
+          s[kMaxRank + k] += dyv * p2[k];
+        }
+      }
+    }
+    DCMHA_UNROLL
+    for (int h = 0; h < kHeadsPerLane; ++h) {
+      if (h >= heads) continue;
+      float* s = sums.at[h];
+      s[2 * kMaxRank] = sum_over_parts(blk_, s[2 * kMaxRank], lanes);
+      DCMHA_UNROLL
+      for (int k = 0; k < kMaxRank; ++k) {
+        if (k >= R) continue;
+        s[k] = sum_over_parts(blk_, s[k], lanes);
+        s[kMaxRank + k] = sum_over_parts(blk_, s[kMaxRank + k], lanes);
+      }
+    }
+    return sums;
   }
 
   /// The pairs' sums to the caller: lines [first, first + real) of the block, past `length`
@@ -223,8 +269,10 @@ class BackwardBlock {
   DCMHA_INLINE void store_weight_grads(const BackwardTiles<T, kHeadDim>& sh, index_t first,
                                        int real, index_t length) const {
     if (pairs() == 0) return;
-    for_each_pair_group([&](int pair, int line, int j, bool owner) {
-      if (owner && line < real) store_pair_grads(sh, pair, first + line, j, length);
+    for_each_line_group([&](int line, int first_head, int heads, bool owner) {
+      if (!owner || line >= real) return;
+      for (int h = 0; h < heads; ++h)
+        store_pair_grads(sh, pair_of(line, first_head + h), first + line, first_head + h, length);
     });
   }
   /// One pair's sums at line `at` of the axis (zeros past `length`).
