@@ -346,7 +346,7 @@ std::vector<AnyView> views_of(BackwardCall<T>& c) {
   add_side_views(v, c.compose.post, "compose.post.", false);
   add_side_views(v, c.dcompose.pre, "dcompose.pre.", true);
   add_side_views(v, c.dcompose.post, "dcompose.post.", true);
-  if (c.with_out) v.push_back(any_view("out", c.out, false, "BHTD"));
+  if (!c.out.empty()) v.push_back(any_view("out", c.out, false, "BHTD"));
   return v;
 }
 

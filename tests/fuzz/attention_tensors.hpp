@@ -99,7 +99,7 @@ struct ForwardCall {
   }
 };
 
-/// The backward's two call shapes: without the forward's output, or given it (`with_out`).
+/// The backward's two call shapes: without the forward's output (`out` empty), or given it.
 template <class T>
 struct BackwardCall {
   AttentionConfig cfg;
@@ -109,13 +109,12 @@ struct BackwardCall {
   TensorView<T, 4> dq, dk, dv;
   ComposeWeights<T> compose;
   ComposeGrads<T> dcompose;
-  bool with_out = false;
   TensorView<const T, 4> out;
 
   void run(Workspace* ws) const {
-    if (with_out && ws)
+    if (!out.empty() && ws)
       dcmha::backward(cfg, q, k, v, out, lse, dout, dq, dk, dv, compose, dcompose, *ws);
-    else if (with_out)
+    else if (!out.empty())
       dcmha::backward(cfg, q, k, v, out, lse, dout, dq, dk, dv, compose, dcompose);
     else if (ws)
       dcmha::backward(cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose, *ws);
@@ -174,19 +173,9 @@ class AttentionTensors {
   }
   BackwardCall<T> backward_call(int threads) const {
     const TensorView<const T, 4> out = a_.with_out ? act[kOut].cview() : TensorView<const T, 4>{};
-    return {config(threads),
-            act[kQ].cview(),
-            act[kK].cview(),
-            act[kV].cview(),
-            lse.view(),
-            act[kDout].cview(),
-            act[kDq].view(),
-            act[kDk].view(),
-            act[kDv].view(),
-            compose(),
-            dcompose(),
-            a_.with_out,
-            out};
+    return {config(threads), act[kQ].cview(),    act[kK].cview(), act[kV].cview(),
+            lse.view(),      act[kDout].cview(), act[kDq].view(), act[kDk].view(),
+            act[kDv].view(), compose(),          dcompose(),      out};
   }
 
   /// The gradients written, in the reference's layout (switched-on terms only).
