@@ -332,6 +332,9 @@ class QueryGradKernel : BackwardBlock<T, Block> {
 
  public:
   static constexpr int kKeyTiles = kKeys / 8, kDimTiles = kHeadDim / 8;
+  /// MHA on the tensor cores holds the warp's Q and dO rows in registers across the key tiles
+  /// (kHeadDim / 2 registers a lane, as many as dQ's accumulators), up to head dim 128.
+  static constexpr bool kHoldRows = kTensorCoreType<T> && kHeadDim <= 128;
 
   DCMHA_INLINE QueryGradKernel(const Block& blk, const detail::BackwardParams<T>& p,
                                const BackwardGeometry& geo, const BackwardScratch& scratch)
@@ -344,28 +347,44 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   DCMHA_INLINE void run() {
     start();
     const detail::KeyRange keys = mask_.rows(b_, t0_, t0_ + rows_real_);
+    // A pass of its own, so that the held fragments are not live across the compose path.
+    if constexpr (kHoldRows)
+      if (geo_.registers) return passes<true>(keys);
+    passes<false>(keys);
+  }
+
+ private:
+  using Scores = Accumulators<kKeyTiles>;
+  /// The warp's Q and dO rows as A fragments (kHoldRows), loaded by the first key tile.
+  struct HeldQueryRows {
+    HeldRows<kHoldRows ? kHeadDim : 16> q, dout;
+    bool loaded = false;
+  };
+
+  /// The row dots, then dQ and the weight gradients; kHeld: MHA on the tensor cores with the
+  /// warp's Q and dO rows held in registers.
+  template <bool kHeld>
+  DCMHA_INLINE void passes(const detail::KeyRange& keys) {
+    HeldQueryRows held;
     int stage = 0;
     // Without Compose_post, O = P V per head, so D = rowsum(dO O) (FlashAttention's row dots).
     if (p_.out.data != nullptr && !geo_.terms.post.enabled()) {
       output_row_dots();
     } else {
-      for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
+      for (index_t s0 = first_key_tile<kHeld>(keys, held); s0 < keys.end; s0 += kKeys, stage ^= 1) {
         key_tile(s0, keys, stage);
-        row_dots_step(s0, stage, keys);
+        row_dots_step<kHeld>(s0, stage, keys, held);
       }
     }
     finish_row_dots();
     stage = 0;
-    for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
+    for (index_t s0 = first_key_tile<kHeld>(keys, held); s0 < keys.end; s0 += kKeys, stage ^= 1) {
       key_tile(s0, keys, stage);
-      gradients_step(s0, stage, keys);
+      gradients_step<kHeld>(s0, stage, keys, held);
     }
     store();
     blk_.sync_cluster();  // peers read this block's shared memory until their last chain
   }
-
- private:
-  using Scores = Accumulators<kKeyTiles>;
 
   DCMHA_INLINE void start() {
     this->stage_query_rows(sh().q(0), p_.q, geo_.D, geo_.chunked_q, t0_, rows_real_);
@@ -389,13 +408,25 @@ class QueryGradKernel : BackwardBlock<T, Block> {
 
   /// The key tiles as a loop (for s0 = first_key_tile(keys); ...; key_tile(s0, ...)): each
   /// tile's K and V rows landed in `stage` and visible, the next tile's landing in the other.
-  DCMHA_INLINE index_t first_key_tile(const detail::KeyRange& keys) {
+  template <bool kHeld>
+  DCMHA_INLINE index_t first_key_tile(const detail::KeyRange& keys, HeldQueryRows& held) {
     if (keys.empty()) return keys.end;
     this->stage_key_rows(sh().k(0), p_.k, geo_.D, geo_.chunked_k, keys.begin, kKeys);
     this->stage_key_rows(sh().v(0), p_.v, geo_.Dv, geo_.chunked_v, keys.begin, kKeys);
     blk_.cp_async_commit();
     next_ = keys.end;
+    if constexpr (kHeld)
+      if (!held.loaded) hold_rows(held);
     return keys.begin;
+  }
+  /// The warp's Q and dO fragments into registers: their copies (the group before the first key
+  /// tile's) landed, every lane's visible.
+  DCMHA_INLINE void hold_rows(HeldQueryRows& held) const {
+    blk_.template cp_async_wait<1>();
+    blk_.sync();
+    load_held_rows(blk_, sh().q(0).head(own_), row0_, this->depth_of(geo_.D), held.q);
+    load_held_rows(blk_, sh().dout(0).head(own_), row0_, this->depth_of(geo_.Dv), held.dout);
+    held.loaded = true;
   }
   /// The tile's K and V rows landed and visible; the next tile's K landing in the other stage.
   DCMHA_INLINE void key_tile(index_t s0, const detail::KeyRange& keys, int stage) {
@@ -413,13 +444,19 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     blk_.cp_async_commit();
   }
   /// The warp's scores (scaled) and dP' = dO V^T of the key tile.
-  DCMHA_INLINE void products(int stage, Scores& s, Scores& dp) const {
+  template <bool kHeld>
+  DCMHA_INLINE void products(int stage, const HeldQueryRows& held, Scores& s, Scores& dp) const {
     s.zero();
     dp.zero();
-    product_rows_rows(blk_, sh().q(0).head(own_), row0_, sh().k(stage).head(kv_slot_), 0,
-                      this->depth_of(geo_.D), s);
-    product_rows_rows(blk_, sh().dout(0).head(own_), row0_, sh().v(0).head(kv_slot_), 0,
-                      this->depth_of(geo_.Dv), dp);
+    const auto k = sh().k(stage).head(kv_slot_), v = sh().v(0).head(kv_slot_);
+    const int depth = this->depth_of(geo_.D), value_depth = this->depth_of(geo_.Dv);
+    if constexpr (kHeld) {
+      product_held_rows(blk_, held.q, k, 0, depth, s);
+      product_held_rows(blk_, held.dout, v, 0, value_depth, dp);
+    } else {
+      product_rows_rows(blk_, sh().q(0).head(own_), row0_, k, 0, depth, s);
+      product_rows_rows(blk_, sh().dout(0).head(own_), row0_, v, 0, value_depth, dp);
+    }
     DCMHA_UNROLL
     for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
     for (int i = 0; i < 4; ++i) s.c[j][i] *= this->scale();
@@ -445,7 +482,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   DCMHA_INLINE void chain_step(index_t s0, int stage, const detail::KeyRange& keys,
                                bool row_dots_only) {
     Scores s, dp;
-    products(stage, s, dp);
+    products<false>(stage, HeldQueryRows{}, s, dp);
     store_fragments(blk_, s, sh().chain().scores.head(own_), row0_, 0, 1.0f);
     store_fragments(blk_, dp, sh().chain().upstream.head(own_), row0_, 0, 1.0f);
     DCMHA_UNROLL
@@ -463,11 +500,13 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   }
 
   /// Pass 1: D = sum over keys of P dP per row.
-  DCMHA_INLINE void row_dots_step(index_t s0, int stage, const detail::KeyRange& keys) {
+  template <bool kHeld>
+  DCMHA_INLINE void row_dots_step(index_t s0, int stage, const detail::KeyRange& keys,
+                                  const HeldQueryRows& held) {
     Scores s;
-    if (geo_.registers) {
+    if (kHeld || geo_.registers) {
       Scores dp;
-      products(stage, s, dp);
+      products<kHeld>(stage, held, s, dp);
       blk_.sync();
       prefetch_values(keys);
       probabilities(s0, s);
@@ -543,11 +582,13 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   }
 
   /// Pass 2: dS (dL) and dQ += dS K; the compose weights' gradients.
-  DCMHA_INLINE void gradients_step(index_t s0, int stage, const detail::KeyRange& keys) {
-    if (geo_.registers) {
+  template <bool kHeld>
+  DCMHA_INLINE void gradients_step(index_t s0, int stage, const detail::KeyRange& keys,
+                                   const HeldQueryRows& held) {
+    if (kHeld || geo_.registers) {
       if constexpr (kTensorCoreType<T>) {
         Scores s, dp;
-        products(stage, s, dp);
+        products<kHeld>(stage, held, s, dp);
         blk_.sync();
         prefetch_values(keys);
         probabilities(s0, s);

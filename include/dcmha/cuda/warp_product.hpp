@@ -86,6 +86,26 @@ DCMHA_INLINE void scalar_product(const Block& blk, Accumulators<kTiles>& acc, in
 
 namespace product_detail {
 
+/// One k16 step of rows x rows: acc[m] += af[m] b(b0 + n, k0 + k), each B fragment loaded once
+/// for the kRowTiles A fragments.
+template <int kRowTiles, int kTiles, class Block, class T>
+DCMHA_INLINE void rows_step(const Block& blk, const std::uint32_t (&af)[kRowTiles][4],
+                            const OperandTile<T>& b, int b0, int k0, Accumulators<kTiles>* acc) {
+  static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+  const int l = unhoisted_lane_of(blk);
+  DCMHA_UNROLL
+  for (int j = 0; j < kTiles; j += 2) {
+    std::uint32_t bf[4];
+    blk.ldmatrix_x4(bf, b.chunk(b0 + 8 * j + l % 8 + 8 * (l / 16), k0 / 8 + (l / 8) % 2));
+    const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
+    DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m) {
+      mma<T>(blk, acc[m].c[j], af[m], b_lo);
+      mma<T>(blk, acc[m].c[j + 1], af[m], b_hi);
+    }
+  }
+}
+
 /// acc[m] += a(a0 + 16 m + r, k) b(b0 + n, k): kRowTiles 16-row blocks of A sharing each B
 /// fragment (a warp of 32 rows loads K once for both of its m16 tiles).
 template <int kRowTiles, int kTiles, class Block, class T>
@@ -93,23 +113,12 @@ DCMHA_INLINE void rows_rows(const Block& blk, const OperandTile<T>& a, int a0,
                             const OperandTile<T>& b, int b0, int depth, Accumulators<kTiles>* acc) {
   const int l = unhoisted_lane_of(blk);
   if constexpr (kTensorCoreType<T>) {
-    static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
     for (int k0 = 0; k0 < depth; k0 += 16) {
       std::uint32_t af[kRowTiles][4];
       DCMHA_UNROLL
       for (int m = 0; m < kRowTiles; ++m)
         blk.ldmatrix_x4(af[m], a.chunk(a0 + 16 * m + l % 16, k0 / 8 + l / 16));
-      DCMHA_UNROLL
-      for (int j = 0; j < kTiles; j += 2) {
-        std::uint32_t bf[4];
-        blk.ldmatrix_x4(bf, b.chunk(b0 + 8 * j + l % 8 + 8 * (l / 16), k0 / 8 + (l / 8) % 2));
-        const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
-        DCMHA_UNROLL
-        for (int m = 0; m < kRowTiles; ++m) {
-          mma<T>(blk, acc[m].c[j], af[m], b_lo);
-          mma<T>(blk, acc[m].c[j + 1], af[m], b_hi);
-        }
-      }
+      rows_step<kRowTiles>(blk, af, b, b0, k0, acc);
     }
   } else {
     DCMHA_UNROLL
@@ -138,6 +147,36 @@ DCMHA_INLINE void product_rows_rows(const Block& blk, const OperandTile<T>& a, i
                                     const OperandTile<T>& b, int b0, int depth,
                                     Accumulators<kTiles> (&acc)[kRowTiles]) {
   product_detail::rows_rows<kRowTiles>(blk, a, a0, b, b0, depth, acc);
+}
+
+/// A warp's 16 rows of an A operand as m16k16 fragments for k < kDepth, loaded once and held in
+/// registers by a warp that multiplies the same rows with many B tiles (the backward's query side:
+/// its Q and dO rows with every key tile), so that they cross shared memory once.
+template <int kDepth>
+struct HeldRows {
+  static_assert(kDepth % 16 == 0, "whole k16 steps");
+  std::uint32_t fragments[kDepth / 16][1][4];
+};
+
+/// held = rows a0 .. a0 + 15 of a, k < depth (depth <= kDepth, a multiple of 16).
+template <int kDepth, class Block, class T>
+DCMHA_INLINE void load_held_rows(const Block& blk, const OperandTile<T>& a, int a0, int depth,
+                                 HeldRows<kDepth>& held) {
+  static_assert(kTensorCoreType<T>, "fragments are the tensor cores' operands");
+  const int l = unhoisted_lane_of(blk);
+  DCMHA_UNROLL
+  for (int k = 0; k < kDepth / 16; ++k)
+    if (16 * k < depth) blk.ldmatrix_x4(held.fragments[k][0], a.chunk(a0 + l % 16, 2 * k + l / 16));
+}
+
+/// acc += a(m, k) b(b0 + n, k) over k < depth, as product_rows_rows with A's rows held.
+template <int kTiles, int kDepth, class Block, class T>
+DCMHA_INLINE void product_held_rows(const Block& blk, const HeldRows<kDepth>& a,
+                                    const OperandTile<T>& b, int b0, int depth,
+                                    Accumulators<kTiles>& acc) {
+  DCMHA_UNROLL
+  for (int k = 0; k < kDepth / 16; ++k)
+    if (16 * k < depth) product_detail::rows_step<1>(blk, a.fragments[k], b, b0, 16 * k, &acc);
 }
 
 /// acc += a(a0 + m, k) b(b_k0 + k, b_n0 + n) over k < depth (a multiple of 16).
