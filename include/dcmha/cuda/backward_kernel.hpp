@@ -671,6 +671,10 @@ class KeyGradKernel : BackwardBlock<T, Block> {
 
  public:
   static constexpr int kRowTiles = kStreamRows / 8, kDimTiles = kHeadDim / 8;
+  /// MHA on the tensor cores holds the warp's K and V rows in registers across the query tiles
+  /// (kHeadDim / 2 registers a lane beside dK's and dV's kHeadDim) up to head dim 96; at 128
+  /// even K alone makes ptxas spill.
+  static constexpr bool kHoldKeys = kTensorCoreType<T> && kHeadDim <= 96;
 
   DCMHA_INLINE KeyGradKernel(const Block& blk, const detail::BackwardParams<T>& p,
                              const BackwardGeometry& geo, const BackwardScratch& scratch)
@@ -682,23 +686,44 @@ class KeyGradKernel : BackwardBlock<T, Block> {
 
   DCMHA_INLINE void run() {
     start();
+    // A loop of its own, so that the held fragments are not live across the compose path.
+    if constexpr (kHoldKeys)
+      if (geo_.registers) return query_tiles<true>();
+    query_tiles<false>();
+  }
+
+ private:
+  using Rows = Accumulators<kRowTiles>;
+  /// The warp's K and V rows as A fragments (kHoldKeys), loaded once they landed.
+  struct HeldKeyRows {
+    HeldRows<kHoldKeys ? kHeadDim : 16> k, v;
+  };
+
+  /// The query tiles that see the block's keys; kHeld: MHA on the tensor cores with the warp's K
+  /// and V rows held in registers.
+  template <bool kHeld>
+  DCMHA_INLINE void query_tiles() {
+    HeldKeyRows held;
     const index_t tiles = (p_.dims.T + kStreamRows - 1) / kStreamRows;
     int stage = 0;
-    index_t next = next_tile(0, tiles);
+    const index_t first = next_tile(0, tiles);
+    index_t next = first;
     if (next < tiles) stage_tile(next, 0);
     for (index_t tile = next; tile < tiles; tile = next, stage ^= 1) {
       next = next_tile(tile + 1, tiles);
       blk_.template cp_async_wait<0>();
       blk_.sync();
+      if constexpr (kHeld)
+        if (tile == first) {  // K and V landed with the first query tile
+          load_held_rows(blk_, sh().k(0).head(kv_slot_), row0_, this->depth_of(geo_.D), held.k);
+          load_held_rows(blk_, sh().v(0).head(kv_slot_), row0_, this->depth_of(geo_.Dv), held.v);
+        }
       if (next < tiles) stage_tile(next, stage ^ 1);
-      rows_step(tile * kStreamRows, stage);
+      rows_step<kHeld>(tile * kStreamRows, stage, held);
     }
     store();
     blk_.sync_cluster();
   }
-
- private:
-  using Rows = Accumulators<kRowTiles>;
 
   DCMHA_INLINE void start() {
     this->stage_key_rows(sh().k(0), p_.k, geo_.D, geo_.chunked_k, s0_, keys_real_);
@@ -738,7 +763,8 @@ class KeyGradKernel : BackwardBlock<T, Block> {
 
   /// The query tile at t0: S^T = scale K Q^T and dP'^T = V dO^T of the warp's head and keys,
   /// then dK and dV.
-  DCMHA_INLINE void rows_step(index_t t0, int stage) {
+  template <bool kHeld>
+  DCMHA_INLINE void rows_step(index_t t0, int stage, const HeldKeyRows& held) {
     const int rows = p_.dims.T - t0 < kStreamRows ? int(p_.dims.T - t0) : kStreamRows;
     this->load_row_statistics(sh().lse(), sh().row_dot(), scratch_.row_dot, t0, kStreamRows,
                               kStreamRows);
@@ -751,11 +777,16 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     Rows st, dpt;
     st.zero();
     dpt.zero();
-    product_rows_rows(blk_, sh().k(0).head(kv_slot_), row0_, sh().q(stage).head(own_), 0,
-                      this->depth_of(geo_.D), st);
-    product_rows_rows(blk_, sh().v(0).head(kv_slot_), row0_, sh().dout(stage).head(own_), 0,
-                      this->depth_of(geo_.Dv), dpt);
-    if (geo_.registers) {
+    const auto q = sh().q(stage).head(own_), dout = sh().dout(stage).head(own_);
+    const int depth = this->depth_of(geo_.D), value_depth = this->depth_of(geo_.Dv);
+    if constexpr (kHeld) {
+      product_held_rows(blk_, held.k, q, 0, depth, st);
+      product_held_rows(blk_, held.v, dout, 0, value_depth, dpt);
+    } else {
+      product_rows_rows(blk_, sh().k(0).head(kv_slot_), row0_, q, 0, depth, st);
+      product_rows_rows(blk_, sh().v(0).head(kv_slot_), row0_, dout, 0, value_depth, dpt);
+    }
+    if (kHeld || geo_.registers) {
       if constexpr (kTensorCoreType<T>) {
         blk_.sync();  // the row statistics above, written by other warps
         registers_step(t0, stage, st, dpt);
