@@ -13,10 +13,11 @@
 //                    kv head in head order (GQA).
 //
 // MHA on the tensor cores keeps the chain in fragments (FlashAttention-2's backward, split in a
-// query side and a key side); otherwise each key (query) tile goes: the products L = scale Q K^T
-// and dP' = dO V^T into the chain tiles, [cluster barrier], the chain on the block's slice
-// (backward_compose.hpp), [barrier], dQ += dL K (dK += dL^T Q, dV += P'^T dO), the compose weights'
-// gradients.
+// query side and a key side) and holds the rows a warp reuses every tile in registers (Q and dO on
+// the query side; K and V on the key side, up to head dim 96); otherwise each key (query) tile
+// goes: the products L = scale Q K^T and dP' = dO V^T into the chain tiles, [cluster barrier],
+// the chain on the block's slice (backward_compose.hpp), [barrier], dQ += dL K (dK += dL^T Q,
+// dV += P'^T dO), the compose weights' gradients.
 #include <cmath>
 #include <cstdint>
 

@@ -150,8 +150,8 @@ DCMHA_INLINE void product_rows_rows(const Block& blk, const OperandTile<T>& a, i
 }
 
 /// A warp's 16 rows of an A operand as m16k16 fragments for k < kDepth, loaded once and held in
-/// registers by a warp that multiplies the same rows with many B tiles (the backward's query side:
-/// its Q and dO rows with every key tile), so that they cross shared memory once.
+/// registers by a warp that multiplies the same rows with many B tiles (the MHA backward: Q and dO
+/// with every key tile, K and V with every query tile), so that they cross shared memory once.
 template <int kDepth>
 struct HeldRows {
   static_assert(kDepth % 16 == 0, "whole k16 steps");
