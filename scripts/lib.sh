@@ -1,7 +1,8 @@
 # shellcheck shell=bash
 # Helpers shared by scripts/test.sh and scripts/bench.sh; sourced, not run.
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step with the time it starts (UTC), so that a log shows where a run's time goes.
+step() { printf '\n==> %s [%s]\n' "$*" "$(date -u +%T)"; }
 
 die() {
   printf 'error: %s\n' "$*" >&2
