@@ -123,6 +123,48 @@ class BackwardBlock {
     return cx;
   }
 
+  /// The A operands of a tile's first two products, the warp's 16 rows from row0_ (Q and dO on
+  /// the query side, K and V on the key side): `scores` over D into the scores, `upstream` over
+  /// Dv into dP'.
+  struct OperandPair {
+    OperandTile<T> scores, upstream;
+  };
+  /// The same rows held in registers as A fragments, up to head dim kDepth (MHA on the tensor
+  /// cores), loaded once by hold_pair.
+  template <int kDepth>
+  struct HeldPair {
+    HeldRows<kDepth> scores, upstream;
+    bool loaded = false;
+  };
+
+  template <int kDepth>
+  DCMHA_INLINE void hold_pair(const OperandPair& a, HeldPair<kDepth>& held) const {
+    load_held_rows(blk_, a.scores, row0_, depth_of(geo_.D), held.scores);
+    load_held_rows(blk_, a.upstream, row0_, depth_of(geo_.Dv), held.upstream);
+    held.loaded = true;
+  }
+
+  /// scores = A.scores b.scores^T and upstream = A.upstream b.upstream^T, unscaled, A an
+  /// OperandPair or a HeldPair.
+  template <class Rows, int kTiles>
+  DCMHA_INLINE void pair_products(const Rows& a, const OperandPair& b, Accumulators<kTiles>& scores,
+                                  Accumulators<kTiles>& upstream) const {
+    scores.zero();
+    upstream.zero();
+    multiply_rows(a.scores, b.scores, depth_of(geo_.D), scores);
+    multiply_rows(a.upstream, b.upstream, depth_of(geo_.Dv), upstream);
+  }
+  template <int kTiles>
+  DCMHA_INLINE void multiply_rows(const OperandTile<T>& a, const OperandTile<T>& b, int depth,
+                                  Accumulators<kTiles>& acc) const {
+    product_rows_rows(blk_, a, row0_, b, 0, depth, acc);
+  }
+  template <int kTiles, int kDepth>
+  DCMHA_INLINE void multiply_rows(const HeldRows<kDepth>& a, const OperandTile<T>& b, int depth,
+                                  Accumulators<kTiles>& acc) const {
+    product_held_rows(blk_, a, b, 0, depth, acc);
+  }
+
   /// The compose weights' gradients along the kernel's axis are summed per pair (resident line,
   /// own head): line a row (query side) or a key (key side) of the block. A warp takes the pairs
   /// of kHeadsPerLane heads and lines_per_warp() consecutive lines at a time, the rest of its
@@ -356,11 +398,9 @@ class QueryGradKernel : BackwardBlock<T, Block> {
 
  private:
   using Scores = Accumulators<kKeyTiles>;
+  using OperandPair = typename Base::OperandPair;
   /// The warp's Q and dO rows as A fragments (kHoldRows), loaded by the first key tile.
-  struct HeldQueryRows {
-    HeldRows<kHoldRows ? kHeadDim : 16> q, dout;
-    bool loaded = false;
-  };
+  using HeldQueryRows = typename Base::template HeldPair<kHoldRows ? kHeadDim : 16>;
 
   /// The row dots, then dQ and the weight gradients; kHeld: MHA on the tensor cores with the
   /// warp's Q and dO rows held in registers.
@@ -425,9 +465,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   DCMHA_INLINE void hold_rows(HeldQueryRows& held) const {
     blk_.template cp_async_wait<1>();
     blk_.sync();
-    load_held_rows(blk_, sh().q(0).head(own_), row0_, this->depth_of(geo_.D), held.q);
-    load_held_rows(blk_, sh().dout(0).head(own_), row0_, this->depth_of(geo_.Dv), held.dout);
-    held.loaded = true;
+    this->hold_pair(query_rows(), held);
   }
   /// The tile's K and V rows landed and visible; the next tile's K landing in the other stage.
   DCMHA_INLINE void key_tile(index_t s0, const detail::KeyRange& keys, int stage) {
@@ -444,26 +482,23 @@ class QueryGradKernel : BackwardBlock<T, Block> {
       this->stage_key_rows(sh().v(0), p_.v, geo_.Dv, geo_.chunked_v, next_, kKeys);
     blk_.cp_async_commit();
   }
-  /// The warp's scores (scaled) and dP' = dO V^T of the key tile.
+  /// The warp's Q and dO rows in shared memory, and the key tile's K and V as the B operands.
+  DCMHA_INLINE OperandPair query_rows() const {
+    return {sh().q(0).head(own_), sh().dout(0).head(own_)};
+  }
+  DCMHA_INLINE OperandPair key_rows(int stage) const {
+    return {sh().k(stage).head(kv_slot_), sh().v(0).head(kv_slot_)};
+  }
+  /// The warp's scores (unscaled) and dP' = dO V^T of the key tile.
   template <bool kHeld>
   DCMHA_INLINE void products(int stage, const HeldQueryRows& held, Scores& s, Scores& dp) const {
-    s.zero();
-    dp.zero();
-    const auto k = sh().k(stage).head(kv_slot_), v = sh().v(0).head(kv_slot_);
-    const int depth = this->depth_of(geo_.D), value_depth = this->depth_of(geo_.Dv);
-    if constexpr (kHeld) {
-      product_held_rows(blk_, held.q, k, 0, depth, s);
-      product_held_rows(blk_, held.dout, v, 0, value_depth, dp);
-    } else {
-      product_rows_rows(blk_, sh().q(0).head(own_), row0_, k, 0, depth, s);
-      product_rows_rows(blk_, sh().dout(0).head(own_), row0_, v, 0, value_depth, dp);
-    }
-    DCMHA_UNROLL
-    for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
-    for (int i = 0; i < 4; ++i) s.c[j][i] *= this->scale();
+    if constexpr (kHeld)
+      this->pair_products(held, key_rows(stage), s, dp);
+    else
+      this->pair_products(query_rows(), key_rows(stage), s, dp);
   }
 
-  /// MHA in fragments: P = exp(S - lse), 0 where masked.
+  /// MHA in fragments: P = exp(scale S - lse), 0 where masked.
   DCMHA_INLINE void probabilities(index_t s0, Scores& s) const {
     using std::exp;
     const FragmentPlace f(blk_);
@@ -474,7 +509,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
       DCMHA_UNROLL
       for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
       for (int i = 2 * h; i < 2 * h + 2; ++i)
-        s.c[j][i] = l > detail::negative_infinity<float>() ? exp(s.c[j][i] - l) : 0.0f;
+        s.c[j][i] =
+            l > detail::negative_infinity<float>() ? exp(this->scale() * s.c[j][i] - l) : 0.0f;
     }
     blk_.count_exp(kKeyTiles * 4);
   }
@@ -483,8 +519,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   DCMHA_INLINE void chain_step(index_t s0, int stage, const detail::KeyRange& keys,
                                bool row_dots_only) {
     Scores s, dp;
-    products<false>(stage, HeldQueryRows{}, s, dp);
-    store_fragments(blk_, s, sh().chain().scores.head(own_), row0_, 0, 1.0f);
+    this->pair_products(query_rows(), key_rows(stage), s, dp);
+    store_fragments(blk_, s, sh().chain().scores.head(own_), row0_, 0, this->scale());
     store_fragments(blk_, dp, sh().chain().upstream.head(own_), row0_, 0, 1.0f);
     DCMHA_UNROLL
     for (int side = 0; side < 2; ++side)
@@ -695,10 +731,9 @@ class KeyGradKernel : BackwardBlock<T, Block> {
 
  private:
   using Rows = Accumulators<kRowTiles>;
+  using OperandPair = typename Base::OperandPair;
   /// The warp's K and V rows as A fragments (kHoldKeys), loaded once they landed.
-  struct HeldKeyRows {
-    HeldRows<kHoldKeys ? kHeadDim : 16> k, v;
-  };
+  using HeldKeyRows = typename Base::template HeldPair<kHoldKeys ? kHeadDim : 16>;
 
   /// The query tiles that see the block's keys; kHeld: MHA on the tensor cores with the warp's K
   /// and V rows held in registers.
@@ -707,18 +742,14 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     HeldKeyRows held;
     const index_t tiles = (p_.dims.T + kStreamRows - 1) / kStreamRows;
     int stage = 0;
-    const index_t first = next_tile(0, tiles);
-    index_t next = first;
+    index_t next = next_tile(0, tiles);
     if (next < tiles) stage_tile(next, 0);
     for (index_t tile = next; tile < tiles; tile = next, stage ^= 1) {
       next = next_tile(tile + 1, tiles);
       blk_.template cp_async_wait<0>();
       blk_.sync();
       if constexpr (kHeld)
-        if (tile == first) {  // K and V landed with the first query tile
-          load_held_rows(blk_, sh().k(0).head(kv_slot_), row0_, this->depth_of(geo_.D), held.k);
-          load_held_rows(blk_, sh().v(0).head(kv_slot_), row0_, this->depth_of(geo_.Dv), held.v);
-        }
+        if (!held.loaded) this->hold_pair(key_rows(), held);  // landed with the first query tile
       if (next < tiles) stage_tile(next, stage ^ 1);
       rows_step<kHeld>(tile * kStreamRows, stage, held);
     }
@@ -754,6 +785,11 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     return tiles;
   }
 
+  /// The warp's K and V rows in shared memory.
+  DCMHA_INLINE OperandPair key_rows() const {
+    return {sh().k(0).head(kv_slot_), sh().v(0).head(kv_slot_)};
+  }
+
   DCMHA_INLINE void stage_tile(index_t tile, int stage) {
     const index_t t0 = tile * kStreamRows;
     const int rows = p_.dims.T - t0 < kStreamRows ? int(p_.dims.T - t0) : kStreamRows;
@@ -776,17 +812,11 @@ class KeyGradKernel : BackwardBlock<T, Block> {
         stage_query_weights(blk_, sh().side(s), s == 0 ? p_.compose.pre : p_.compose.post, b_, g_,
                             t0, kStreamRows, real_end);
     Rows st, dpt;
-    st.zero();
-    dpt.zero();
-    const auto q = sh().q(stage).head(own_), dout = sh().dout(stage).head(own_);
-    const int depth = this->depth_of(geo_.D), value_depth = this->depth_of(geo_.Dv);
-    if constexpr (kHeld) {
-      product_held_rows(blk_, held.k, q, 0, depth, st);
-      product_held_rows(blk_, held.v, dout, 0, value_depth, dpt);
-    } else {
-      product_rows_rows(blk_, sh().k(0).head(kv_slot_), row0_, q, 0, depth, st);
-      product_rows_rows(blk_, sh().v(0).head(kv_slot_), row0_, dout, 0, value_depth, dpt);
-    }
+    const OperandPair queries{sh().q(stage).head(own_), sh().dout(stage).head(own_)};
+    if constexpr (kHeld)
+      this->pair_products(held, queries, st, dpt);
+    else
+      this->pair_products(key_rows(), queries, st, dpt);
     if (kHeld || geo_.registers) {
       if constexpr (kTensorCoreType<T>) {
         blk_.sync();  // the row statistics above, written by other warps
