@@ -4,10 +4,12 @@
 // ceilings, beside FlashAttention-2's algorithm for MHA counted the same way. A model, not a
 // measurement: the GPU benchmark (scripts/gpu_check.sh) replaces it.
 //
-//   dcmha_cost_model [--sites] [T...]     (default: 2048 4096)
+//   dcmha_cost_model [--sites] [--head-dim D] [T...]     (default: D 128, T 2048 4096)
 //
 // --sites: each kernel's call sites by their share of its shared-memory cycles, DSMEM bytes and
 // L2 sectors, in the longest emulated run (where a kernel's cycles go, for its next change).
+// --head-dim: D = Dv of every case, a multiple of 8 from 72 to 128 (FlashAttention-2's tiles for
+// its head-dim classes 96 and 128 are the ones modeled); DCFormer-2.8B's is 80.
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -162,9 +164,10 @@ class RunCache {
   std::vector<EmulatedRuns> mha_, dcmha_;
 };
 
-void model(index_t T, RunCache& cache, bool sites) {
+void model(index_t T, index_t head_dim, RunCache& cache, bool sites) {
   BenchmarkShape s;
   s.T = T;
+  s.D = head_dim;
   s.dcmha = false;
   const EmulatedWork mha = cache.work(s);
   s.dcmha = true;
@@ -177,7 +180,8 @@ void model(index_t T, RunCache& cache, bool sites) {
   fa2_all += fa2_bwd, mha_all += ours(mha.backward), dcmha_all += ours(dcmha.backward);
 
   const std::string shape = "T" + std::to_string(T);
-  std::printf("\nbf16 B4/H32/D128 %s causal (ms, overlapped / serialized)\n", shape.c_str());
+  std::printf("\nbf16 B4/H32/D%lld %s causal (ms, overlapped / serialized)\n", (long long)head_dim,
+              shape.c_str());
   std::printf("| case | FA2 MHA | ours | ours / FA2 | target |\n|---|---|---|---|---|\n");
   print_row("MHA forward " + shape, fa2_fwd, ours(mha.forward), 1.3);
   print_row("MHA forward+backward " + shape, fa2_all, mha_all, 1.3);
@@ -209,11 +213,24 @@ void model(index_t T, RunCache& cache, bool sites) {
   }
 }
 
-/// The command line: --sites and sequence lengths, each a positive integer.
+/// The command line: --sites, --head-dim D and sequence lengths, each a positive integer.
 struct Arguments {
   bool sites = false;
+  index_t head_dim = 128;
   std::vector<index_t> lengths;
 };
+
+/// arg as a whole integer, or -1.
+long long integer_of(const std::string& arg) {
+  std::size_t used = 0;
+  long long value = -1;
+  try {
+    value = std::stoll(arg, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  return used == arg.size() ? value : -1;
+}
 
 Arguments parse_arguments(int argc, char** argv) {
   Arguments a;
@@ -221,19 +238,20 @@ Arguments parse_arguments(int argc, char** argv) {
     const std::string arg = argv[i];
     if (arg == "--sites") {
       a.sites = true;
-      continue;
+    } else if (arg == "--head-dim") {
+      const std::string value = i + 1 < argc ? argv[++i] : "";
+      const long long D = integer_of(value);
+      if (D < 72 || D > 128 || D % 8 != 0)
+        throw std::invalid_argument("--head-dim '" + value +
+                                    "': expected a multiple of 8 from 72 to 128");
+      a.head_dim = index_t(D);
+    } else {
+      const long long T = integer_of(arg);
+      if (T < 1)
+        throw std::invalid_argument(
+            "argument '" + arg + "': expected --sites, --head-dim D or a sequence length T >= 1");
+      a.lengths.push_back(index_t(T));
     }
-    std::size_t used = 0;
-    long long T = 0;
-    try {
-      T = std::stoll(arg, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (used != arg.size() || T < 1)
-      throw std::invalid_argument("argument '" + arg +
-                                  "': expected --sites or a sequence length T >= 1");
-    a.lengths.push_back(index_t(T));
   }
   if (a.lengths.empty()) a.lengths = {2048, 4096};
   return a;
@@ -246,7 +264,8 @@ int main(int argc, char** argv) {
   try {
     arguments = parse_arguments(argc, argv);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "dcmha_cost_model: %s\nusage: dcmha_cost_model [--sites] [T...]\n",
+    std::fprintf(stderr,
+                 "dcmha_cost_model: %s\nusage: dcmha_cost_model [--sites] [--head-dim D] [T...]\n",
                  e.what());
     return 2;
   }
@@ -263,7 +282,7 @@ int main(int argc, char** argv) {
       "the units' times add up\n");
   try {
     RunCache cache;
-    for (index_t T : arguments.lengths) model(T, cache, arguments.sites);
+    for (index_t T : arguments.lengths) model(T, arguments.head_dim, cache, arguments.sites);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dcmha_cost_model: %s\n", e.what());
     return 1;
