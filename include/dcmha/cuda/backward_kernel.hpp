@@ -843,25 +843,36 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     using std::exp;
     const FragmentPlace f(blk_);
     DCMHA_UNROLL
-    for (int j = 0; j < kRowTiles; ++j) DCMHA_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      const int r = 8 * j + f.column(i);
-      const index_t s = s0_ + row0_ + f.row(i);
-      const float l = blk_.load_shared(sh().lse() + own_ * kStreamRows + r);
-      const bool seen = t0 + r < p_.dims.T && mask_.row(b_, t0 + r).contains(s);
-      st.c[j][i] = seen && l > detail::negative_infinity<float>()
-                       ? exp(this->scale() * st.c[j][i] - l)
-                       : 0.0f;
+    for (int j = 0; j < kRowTiles; ++j) {
+      const FloatPair l = row_pair(sh().lse(), j);
+      DCMHA_UNROLL
+      for (int i = 0; i < 4; ++i) {
+        const int r = 8 * j + f.column(i);
+        const float lse = i % 2 == 0 ? l.x : l.y;
+        const index_t s = s0_ + row0_ + f.row(i);
+        const bool seen = t0 + r < p_.dims.T && mask_.row(b_, t0 + r).contains(s);
+        st.c[j][i] = seen && lse > detail::negative_infinity<float>()
+                         ? exp(this->scale() * st.c[j][i] - lse)
+                         : 0.0f;
+      }
     }
     blk_.count_exp(kRowTiles * 4);
     product_fragments_cols(blk_, st, sh().dout(stage).head(own_), 0, dv_);
     DCMHA_UNROLL
-    for (int j = 0; j < kRowTiles; ++j) DCMHA_UNROLL
-    for (int i = 0; i < 4; ++i) {
-      const int r = 8 * j + f.column(i);
-      st.c[j][i] *= dpt.c[j][i] - blk_.load_shared(sh().row_dot() + own_ * kStreamRows + r);
+    for (int j = 0; j < kRowTiles; ++j) {
+      const FloatPair d = row_pair(sh().row_dot(), j);
+      DCMHA_UNROLL
+      for (int i = 0; i < 4; ++i) st.c[j][i] *= dpt.c[j][i] - (i % 2 == 0 ? d.x : d.y);
     }
     product_fragments_cols(blk_, st, sh().q(stage).head(own_), 0, dk_);
+  }
+  /// A statistic (lse or D) of the query rows of the lane's fragment columns in n8 tile j: rows
+  /// 8 j + 2 t and + 1, adjacent in shared memory, so one 8-byte load serves the lane's four
+  /// elements (x the even ones, y the odd ones).
+  DCMHA_INLINE FloatPair row_pair(const float* statistic, int j) const {
+    const FragmentPlace f(blk_);
+    return blk_.load_shared(
+        reinterpret_cast<const FloatPair*>(statistic + own_ * kStreamRows + 8 * j + f.column(0)));
   }
 
   DCMHA_INLINE void store() {
