@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "emulated_work.hpp"
@@ -85,6 +86,21 @@ void print_row(const std::string& what, const Modeled& fa2, const Modeled& mine,
               what.c_str(), ms(fa2.overlapped), ms(fa2.serialized), ms(mine.overlapped),
               ms(mine.serialized), r_over, r_serial, target, verdict(r_over, target),
               verdict(r_serial, target));
+}
+
+/// Each operation's work per (query, key) pair the causal mask lets through, B H T (T + 1) / 2
+/// of them (the table docs/design.md quotes).
+void print_per_pair(const BenchmarkShape& s,
+                    const std::vector<std::pair<const char*, const Work*>>& rows) {
+  const double pairs = double(s.B) * double(s.H) * double(s.T) * double(s.T + 1) / 2;
+  std::printf(
+      "per (query, key) pair:\n| | tensor-core FLOP | CUDA-core FLOP | exp | shared B | L2 B | "
+      "HBM B | DSMEM B |\n|---|---|---|---|---|---|---|---|\n");
+  for (const auto& [what, w] : rows)
+    std::printf("| %s | %.0f | %.0f | %.2f | %.0f | %.1f | %.2f | %.0f |\n", what,
+                w->mma * 4096 / pairs, w->fma * 2 / pairs, w->exp / pairs,
+                w->shared_wavefronts * 128 / pairs, w->l2_bytes / pairs, w->hbm_bytes / pairs,
+                w->peer_bytes / pairs);
 }
 
 void print_plan(const Plans& p, bool dcmha) {
@@ -173,9 +189,10 @@ void model(index_t T, index_t head_dim, RunCache& cache, bool sites) {
   s.dcmha = true;
   const EmulatedWork dcmha = cache.work(s);
   s.dcmha = false;
-  const Modeled fa2_fwd = flash(flash_forward(s));
+  const Work fa2_forward = flash_forward(s);
   s.backward = true;
-  const Modeled fa2_bwd = flash(flash_backward(s));
+  const Work fa2_backward = flash_backward(s);
+  const Modeled fa2_fwd = flash(fa2_forward), fa2_bwd = flash(fa2_backward);
   Modeled fa2_all = fa2_fwd, mha_all = ours(mha.forward), dcmha_all = ours(dcmha.forward);
   fa2_all += fa2_bwd, mha_all += ours(mha.backward), dcmha_all += ours(dcmha.backward);
 
@@ -194,6 +211,12 @@ void model(index_t T, index_t head_dim, RunCache& cache, bool sites) {
   print_units("our MHA backward", ours(mha.backward));
   print_units("our DCMHA forward", ours(dcmha.forward));
   print_units("our DCMHA backward", ours(dcmha.backward));
+  print_per_pair(s, {{"FA2 MHA forward", &fa2_forward},
+                     {"our MHA forward", &mha.forward.total},
+                     {"our DCMHA forward", &dcmha.forward.total},
+                     {"FA2 MHA backward", &fa2_backward},
+                     {"our MHA backward", &mha.backward.total},
+                     {"our DCMHA backward", &dcmha.backward.total}});
   print_plan(mha.plans, false);
   print_plan(dcmha.plans, true);
   const double fit = std::max({mha.forward.fit_error, mha.backward.fit_error,
