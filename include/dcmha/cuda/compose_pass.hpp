@@ -2,7 +2,8 @@
 // Compose (spec section 1, steps 2 and 5) on a tile of positions whose M heads' values sit in
 // score tiles in shared memory: the tiles of a block's own heads, and in a cluster the peer
 // blocks' tiles of the group's other heads (DSMEM). Each block composes a slice of the tile's
-// rows for all M heads and writes every head's result back to that head's owner.
+// positions (rows, keys or both) for all M heads and writes every head's result back to that
+// head's owner.
 //
 // A compose item is (up to kRows rows of the slice, one key, one part of the heads): the
 // parts of an item are adjacent lanes, each summing the low-rank projections (sum_m x_m w1[r, m])
@@ -90,7 +91,8 @@ struct ComposeItem {
   int row0 = 0;         // first row of the item in the tile
   int weight_row0 = 0;  // the same row in the query-wise weight arrays
   int rows = 0;         // rows of the item that are in the region (<= the item's kRows)
-  int key = 0;          // column in the tile and in the key-wise weight arrays
+  int key = 0;          // column in the tile
+  int weight_key = 0;   // the same key in the key-wise weight arrays
   // The lane's heads: part + parts j for j < heads. Interleaved, so that at each j the parts
   // read the same cluster block's tiles (its own heads are consecutive) side by side.
   int part = 0, parts = 1, heads = 0;
@@ -100,9 +102,10 @@ struct ComposeItem {
 };
 
 /// The positions a block composes: rows [row_begin, row_begin + rows) x keys [key_begin,
-/// key_begin + keys) of the tile; the query-wise weights were staged from row weight_row_begin.
+/// key_begin + keys) of the tile; the query-wise weights were staged from row weight_row_begin,
+/// the key-wise ones from key weight_key_begin.
 struct ComposeRegion {
-  int row_begin = 0, rows = 0, key_begin = 0, keys = 0, weight_row_begin = 0;
+  int row_begin = 0, rows = 0, key_begin = 0, keys = 0, weight_row_begin = 0, weight_key_begin = 0;
 };
 
 /// The region as items of kRows rows x one key x `parts` head parts, spread over the block
@@ -130,6 +133,7 @@ DCMHA_INLINE ComposeItem compose_item(const Block& blk, const ComposeRegion& reg
   item.weight_row0 = item.row0 - region.weight_row_begin;
   item.rows = region.rows - first < kRows ? region.rows - first : kRows;
   item.key = region.key_begin + key;
+  item.weight_key = item.key - region.weight_key_begin;
   item.heads = M / parts;
   item.part = part;
   item.parts = parts;
@@ -240,7 +244,7 @@ struct Projections {
     for (int r = 0; r < kMaxRank; ++r) {
       if (r >= Rk) continue;
       HeadWeights<W> kw;
-      kw.load(blk, w.key_at(k0 + r, it.part, it.key), it.heads);
+      kw.load(blk, w.key_at(k0 + r, it.part, it.weight_key), it.heads);
       DCMHA_UNROLL
       for (int i = 0; i < kRows; ++i)
         if (i < it.rows) k[i][r] += dot_heads(it, x, i, kw);
@@ -281,7 +285,7 @@ DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const
   const int Rq = int(w.terms.query_rank), Rk = int(w.terms.key_rank);
   const int q0 = d == Direction::forward ? Rq : 0, k0 = d == Direction::forward ? Rk : 0;
   HeadWeights<W> key_gate;
-  if (w.terms.key_wise) key_gate.load(blk, w.key_at(2 * Rk, it.part, it.key), it.heads);
+  if (w.terms.key_wise) key_gate.load(blk, w.key_at(2 * Rk, it.part, it.weight_key), it.heads);
   DCMHA_UNROLL
   for (int i = 0; i < kRows; ++i) {
     const int row = it.weight_row0 + i;
@@ -309,7 +313,7 @@ DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const
   for (int r = 0; r < kMaxRank; ++r) {
     if (r >= Rk) continue;
     HeadWeights<W> kw;
-    kw.load(blk, w.key_at(k0 + r, it.part, it.key), it.heads);
+    kw.load(blk, w.key_at(k0 + r, it.part, it.weight_key), it.heads);
     DCMHA_UNROLL
     for (int i = 0; i < kRows; ++i) add_scaled_heads(it, p.k[i][r], kw, i, y);
   }

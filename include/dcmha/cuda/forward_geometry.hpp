@@ -73,9 +73,14 @@ struct ForwardGeometry {
   int warps = 1;       // own_heads * rows / warp_rows: one (head, warp_rows rows) item per warp
   int D = 0, Dv = 0;
   bool chunked_q = false, chunked_k = false, chunked_v = false;  // rows staged by cp.async
-  int slice_rows = 16;    // rows / cluster: the rows this block composes
-  int compose_parts = 1;  // lanes sharing one compose item's heads
-  int splits = 1;         // blocks sharing a query tile's keys (decode)
+  // The cluster's blocks compose a tile's positions in key_slices x (cluster / key_slices) slices
+  // of slice_keys keys x slice_rows rows, keys first: a block stages the key-wise weights of its
+  // own keys only, every key tile.
+  int key_slices = 1;
+  int slice_keys = kKeys;  // kKeys / key_slices
+  int slice_rows = 16;     // rows / (cluster / key_slices)
+  int compose_parts = 1;   // lanes sharing one compose item's heads
+  int splits = 1;          // blocks sharing a query tile's keys (decode)
   detail::ComposeTermSets terms;
   ForwardLayout layout;
   index_t shared_bytes = 0;
@@ -105,10 +110,10 @@ struct ForwardGeometry {
     const bool probs = mode == ForwardMode::two_pass || !kTensorCoreType<T>;
     l.probs = OperandTiles<T>::carve(c, probs ? own_heads : 0, rows, kKeys);
     l.lse = c.take<float>(index_t(own_heads) * lse_stride());
-    l.side[0].template carve<T>(c, terms.pre, M, slice_rows, kKeys);
+    l.side[0].template carve<T>(c, terms.pre, M, slice_rows, slice_keys);
     const detail::ComposeTermSet post =
         mode == ForwardMode::two_pass ? terms.post : detail::ComposeTermSet{};
-    l.side[1].template carve<T>(c, post, M, slice_rows, kKeys);
+    l.side[1].template carve<T>(c, post, M, slice_rows, slice_keys);
     shared_bytes = c.bytes();
   }
 };

@@ -5,8 +5,9 @@
 // registers, and it takes the key tiles' products on the tensor cores. MHA's registers mode gives
 // a warp 32 rows instead (kRowTiles = 2, as FlashAttention-2's warps): its two m16 tiles share
 // each K and V fragment, which halves the shared-memory reads of K and V per (query, key). Between
-// the products the block composes its slice of the tile's rows for all M heads (compose_pass.hpp),
-// reading the other heads' scores from its cluster's blocks.
+// the products the block composes its slice of the tile's positions (a share of the keys, and of
+// the rows where the cluster has more blocks than a tile has slices of 8 keys) for all M heads
+// (compose_pass.hpp), reading the other heads' scores from its cluster's blocks.
 //
 // Per key tile, while the next tile's K (and V) rows land by cp.async in the other stage:
 //   registers  S = Q K^T, mask, online softmax, O += P V: FlashAttention-2, nothing in between
@@ -60,7 +61,8 @@ class ForwardKernel {
     const index_t heads_per_kv = p.dims.H / p.dims.Hk;
     kv_first_ = (g_ * geo.M + rank_ * geo.own_heads) / heads_per_kv;
     kv_slot_ = int(head_ / heads_per_kv - kv_first_);
-    slice_begin_ = rank_ * geo.slice_rows;
+    slice_row_begin_ = rank_ / geo.key_slices * geo.slice_rows;
+    slice_key_begin_ = rank_ % geo.key_slices * geo.slice_keys;
   }
 
   DCMHA_INLINE void run() {
@@ -132,15 +134,16 @@ class ForwardKernel {
   DCMHA_INLINE void stage_query_weights(int side, const ComposeTerms<T>& c) {
     const index_t real_end =
         t0_ + (rows_real_ < int(query_length() - t0_) ? rows_real_ : query_length() - t0_);
-    cuda::stage_query_weights(blk_, sh().side(side), c, b_, g_, t0_ + slice_begin_, geo_.slice_rows,
-                              real_end);
+    cuda::stage_query_weights(blk_, sh().side(side), c, b_, g_, t0_ + slice_row_begin_,
+                              geo_.slice_rows, real_end);
     stage_static_weights(blk_, sh().side(side), c, g_);
   }
 
-  /// Key-wise weights of the tile's keys [s0, s0 + kKeys).
+  /// Key-wise weights of the block's slice of the tile's keys [s0, s0 + kKeys).
   DCMHA_INLINE void stage_key_weights(int side, const ComposeTerms<T>& c, index_t s0) {
     if (sh().side(side).terms.key_wise)
-      cuda::stage_key_weights(blk_, sh().side(side), c, b_, g_, s0, kKeys, key_length(), p_.keys);
+      cuda::stage_key_weights(blk_, sh().side(side), c, b_, g_, s0 + slice_key_begin_,
+                              geo_.slice_keys, key_length(), p_.keys);
   }
 
   /// Rows [s0, s0 + kKeys) of x (K or V) of every kv slot into `tiles` (uncommitted).
@@ -332,9 +335,10 @@ class ForwardKernel {
 
   DCMHA_INLINE GroupTiles group_tiles(const ScoreTiles& t) const { return {t, geo_.own_heads}; }
 
-  /// The block's slice: its rows of the tile, every key.
+  /// The block's slice: its rows and keys of the tile.
   DCMHA_INLINE ComposeRegion region() const {
-    return {slice_begin_, geo_.slice_rows, 0, kKeys, slice_begin_};
+    return {slice_row_begin_, geo_.slice_rows,  slice_key_begin_,
+            geo_.slice_keys,  slice_row_begin_, slice_key_begin_};
   }
 
   /// The keys the rows of an item see.
@@ -544,7 +548,8 @@ class ForwardKernel {
   const ForwardGeometry& geo_;
   KeySplit split_;
   detail::RowMask mask_;
-  int rank_ = 0, tile_ = 0, own_ = 0, row0_ = 0, kv_slot_ = 0, slice_begin_ = 0, rows_real_ = 0;
+  int rank_ = 0, tile_ = 0, own_ = 0, row0_ = 0, kv_slot_ = 0, slice_row_begin_ = 0,
+      slice_key_begin_ = 0, rows_real_ = 0;
   int split_index_ = 0;
   index_t g_ = 0, b_ = 0, t0_ = 0, head_ = 0, kv_first_ = 0;
   FragmentRows rows_[kRowTiles];

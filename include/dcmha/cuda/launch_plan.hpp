@@ -49,6 +49,12 @@ struct LaunchOptions {
 /// __launch_bounds__).
 constexpr int kMaxWarps = 8;
 
+/// The fewest keys of a tile one forward block composes. A cluster splits a tile's keys before
+/// its rows, so that each block stages the key-wise weights of its own keys only; at 8 keys a
+/// warp's items (4 parts of DCFormer's 32 heads) still cover one row's keys, whose score-tile
+/// words lie in distinct banks.
+constexpr int kLeastSliceKeys = 8;
+
 /// The head-dim classes the kernels are compiled for.
 constexpr int kHeadDims[] = {32, 64, 96, 128, 256};
 
@@ -105,8 +111,8 @@ inline void check_lengths(const char* fn, const detail::AttentionDims& d) {
 /// a power-of-two cluster times its own heads, one warp each (at most kMaxWarps), so the cluster
 /// size is such a divisor.
 static_assert(kMaxWarps <= kCachedHeads, "a block's own heads must fit one compose lane");
-inline int compose_parts(int M, int slice_rows, int threads, int rows_per_item) {
-  const int items = compose_items(ComposeRegion{0, slice_rows, 0, kKeys, 0}, 1, rows_per_item);
+inline int compose_parts(int M, int slice_rows, int slice_keys, int threads, int rows_per_item) {
+  const int items = compose_items(ComposeRegion{0, slice_rows, 0, slice_keys, 0}, 1, rows_per_item);
   int parts = 1;
   while (parts < kWarpSize && M % (2 * parts) == 0 &&
          (M / parts > kCachedHeads || (parts < 8 && items * parts * 2 <= threads)))
@@ -212,9 +218,11 @@ ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
       g.warp_rows = tall && g.rows % 32 == 0 ? 32 : 16;
       g.warps = g.own_heads * g.rows / g.warp_rows;
       g.kv_slots = kv_slots_of(p.dims.H, p.dims.Hk, g.own_heads);
-      g.slice_rows = g.rows / g.cluster;
-      g.compose_parts =
-          compose_parts(g.M, g.slice_rows, g.threads(), kForwardItemRows<T, kHeadDim>);
+      g.key_slices = std::min(g.cluster, kKeys / kLeastSliceKeys);
+      g.slice_keys = kKeys / g.key_slices;
+      g.slice_rows = g.rows / (g.cluster / g.key_slices);
+      g.compose_parts = compose_parts(g.M, g.slice_rows, g.slice_keys, g.threads(),
+                                      kForwardItemRows<T, kHeadDim>);
       g.template lay_out<T, kHeadDim>();
       return g.shared_bytes;
     });
@@ -304,7 +312,7 @@ BackwardLaunch backward_launch(const char* fn, const detail::BackwardParams<T>& 
         fit_tiles(geo, int(p.dims.M), extent, forced_rows, opt, [&](BackwardGeometry& g) {
           g.kv_slots = kv_slots_of(p.dims.H, p.dims.Hk, g.own_heads);
           g.slice = g.rows / g.cluster;
-          g.compose_parts = compose_parts(g.M, g.slice, g.threads(), kChainRows);
+          g.compose_parts = compose_parts(g.M, g.slice, kKeys, g.threads(), kChainRows);
           return bytes(g);
         });
     if (!ok)
