@@ -68,7 +68,12 @@ struct BackwardGeometry {
   int warps = 1;  // own_heads * rows / 16
   int D = 0, Dv = 0;
   bool chunked_q = false, chunked_k = false, chunked_v = false, chunked_dout = false;
-  int slice = 16;  // rows / cluster: the resident rows or keys this block composes
+  int slice = 16;  // the resident rows or keys this block composes: rows / (cluster / key_slices)
+  // The query side splits each key tile's keys among key_slices blocks of its cluster first and
+  // its rows among the rest, so that a block stages the key-wise weights of its own keys only;
+  // the key side composes every row of a streamed tile (key_slices 1).
+  int key_slices = 1;
+  int slice_keys = kKeys;  // kKeys / key_slices: the keys of a tile the query side composes
   int compose_parts = 1;
   bool dkv_per_head = false;  // GQA: dK, dV per query head into scratch, summed per kv head after
   detail::ComposeTermSets terms;
@@ -79,9 +84,9 @@ struct BackwardGeometry {
   /// The chain tiles' rows and keys: resident x streamed (query side) or streamed x resident.
   DCMHA_INLINE int tile_rows() const { return key_side ? kStreamRows : rows; }
   DCMHA_INLINE int tile_keys() const { return key_side ? rows : kKeys; }
-  /// The compose region's extent along the resident axis and the other.
+  /// The compose region's rows and keys.
   DCMHA_INLINE int sum_rows() const { return key_side ? tile_rows() : slice; }
-  DCMHA_INLINE int sum_keys() const { return key_side ? slice : tile_keys(); }
+  DCMHA_INLINE int sum_keys() const { return key_side ? slice : slice_keys; }
 
   /// Lays out the shared memory for storage type T and head-dim class kHeadDim.
   template <class T, int kHeadDim>
@@ -110,10 +115,11 @@ struct BackwardGeometry {
     l.row_dot = c.take<float>(index_t(own_heads) * tile_rows());
     l.sums = ChainSums::carve(c, int(terms.largest_rank()), registers ? 0 : sum_rows(), sum_keys());
     l.grads = c.take<float>(registers ? 0 : index_t(rows) * own_heads * 2 * (2 * kMaxRank + 1));
-    // Query-wise weights of the rows composed, key-wise ones of the tile's keys.
+    // Query-wise weights of the rows composed; key-wise ones of the keys composed (query side,
+    // every key tile) or of every resident key (key side, once).
     for (int s = 0; s < 2; ++s)
-      l.side[s].template carve<T>(c, s == 0 ? terms.pre : terms.post, M,
-                                  key_side ? tile_rows() : slice, tile_keys());
+      l.side[s].template carve<T>(c, s == 0 ? terms.pre : terms.post, M, sum_rows(),
+                                  key_side ? tile_keys() : slice_keys);
     shared_bytes = c.bytes();
   }
 };

@@ -259,11 +259,15 @@ class BackwardBlock {
     const int R = int(query_axis ? t.query_rank : t.key_rank);
     const ChainSums projections = sh.sums();
     const ChainTiles chain = sh.chain();
-    const int composer = line / geo_.slice, local = line - composer * geo_.slice;
+    const int line_slice = line / geo_.slice, local = line - line_slice * geo_.slice;
     LineSums sums = {};
     for (int o = first; o < others && line >= 0; o += lanes) {
       const int row = query_axis ? line : o, key = query_axis ? o : line;
-      const int sum_row = query_axis ? local : o, sum_key = query_axis ? o : local;
+      // The query side's rows are composed by key slices of geo_.slice_keys keys.
+      const int key_slice = query_axis ? o / geo_.slice_keys : 0;
+      const int composer = line_slice * geo_.key_slices + key_slice;
+      const int sum_row = query_axis ? local : o;
+      const int sum_key = query_axis ? o - key_slice * geo_.slice_keys : local;
       float p1[kMaxRank], p2[kMaxRank];  // the composer's projections, alike for every head
       DCMHA_UNROLL
       for (int k = 0; k < kMaxRank; ++k) {
@@ -384,7 +388,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
       : Base(blk, p, geo), scratch_(scratch) {
     t0_ = index_t(this->tile_) * geo.rows;
     rows_real_ = p.dims.T - t0_ < geo.rows ? int(p.dims.T - t0_) : geo.rows;
-    slice_begin_ = rank_ * geo.slice;
+    slice_row_begin_ = rank_ / geo.key_slices * geo.slice;
+    slice_key_begin_ = rank_ % geo.key_slices * geo.slice_keys;
   }
 
   DCMHA_INLINE void run() {
@@ -437,7 +442,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     for (int s = 0; s < 2; ++s) {
       const ComposeTerms<T>& c = s == 0 ? p_.compose.pre : p_.compose.post;
       if (sh().side(s).terms.query_wise)
-        stage_query_weights(blk_, sh().side(s), c, b_, g_, t0_ + slice_begin_, geo_.slice,
+        stage_query_weights(blk_, sh().side(s), c, b_, g_, t0_ + slice_row_begin_, geo_.slice,
                             real_end);
       stage_static_weights(blk_, sh().side(s), c, g_);
     }
@@ -526,11 +531,13 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     for (int side = 0; side < 2; ++side)
       if (sh().side(side).terms.key_wise)
         stage_key_weights(blk_, sh().side(side), side == 0 ? p_.compose.pre : p_.compose.post, b_,
-                          g_, s0, kKeys, this->key_length(), detail::KeyRing{});
+                          g_, s0 + slice_key_begin_, geo_.slice_keys, this->key_length(),
+                          detail::KeyRing{});
     blk_.sync_cluster();
     prefetch_values(keys);
     ChainContext<T> cx =
-        this->chain_context(sh(), {slice_begin_, geo_.slice, 0, kKeys, slice_begin_});
+        this->chain_context(sh(), {slice_row_begin_, geo_.slice, slice_key_begin_, geo_.slice_keys,
+                                   slice_row_begin_, slice_key_begin_});
     cx.row_dots_only = row_dots_only;
     this->template run_chain<false>(cx, t0_, s0);
     blk_.sync_cluster();
@@ -693,7 +700,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   BackwardScratch scratch_;
   DCMHA_INLINE BackwardTiles<T, kHeadDim> sh() const { return {geo_, blk_.shared()}; }
   index_t t0_ = 0;
-  int rows_real_ = 0, slice_begin_ = 0;
+  int rows_real_ = 0, slice_row_begin_ = 0, slice_key_begin_ = 0;
   FragmentRows rows_;
   index_t next_ = 0;  // the next key tile's first key
   float row_dot_[2] = {0, 0};

@@ -49,10 +49,10 @@ struct LaunchOptions {
 /// __launch_bounds__).
 constexpr int kMaxWarps = 8;
 
-/// The fewest keys of a tile one forward block composes. A cluster splits a tile's keys before
-/// its rows, so that each block stages the key-wise weights of its own keys only; at 8 keys a
-/// warp's items (4 parts of DCFormer's 32 heads) still cover one row's keys, whose score-tile
-/// words lie in distinct banks.
+/// The fewest keys of a tile one block composes (forward, backward query side). A cluster
+/// splits a tile's keys before its rows, so that each block stages the key-wise weights of its
+/// own keys only; at 8 keys a warp's items (4 parts of DCFormer's 32 heads) still cover one
+/// row's keys, whose score-tile words lie in distinct banks.
 constexpr int kLeastSliceKeys = 8;
 
 /// The head-dim classes the kernels are compiled for.
@@ -311,8 +311,10 @@ BackwardLaunch backward_launch(const char* fn, const detail::BackwardParams<T>& 
     const bool ok =
         fit_tiles(geo, int(p.dims.M), extent, forced_rows, opt, [&](BackwardGeometry& g) {
           g.kv_slots = kv_slots_of(p.dims.H, p.dims.Hk, g.own_heads);
-          g.slice = g.rows / g.cluster;
-          g.compose_parts = compose_parts(g.M, g.slice, kKeys, g.threads(), kChainRows);
+          g.key_slices = g.key_side ? 1 : std::min(g.cluster, kKeys / kLeastSliceKeys);
+          g.slice_keys = kKeys / g.key_slices;
+          g.slice = g.rows / (g.cluster / g.key_slices);
+          g.compose_parts = compose_parts(g.M, g.sum_rows(), g.sum_keys(), g.threads(), kChainRows);
           return bytes(g);
         });
     if (!ok)
