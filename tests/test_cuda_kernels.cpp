@@ -448,8 +448,8 @@ TEST(CudaKernelsEmulated, LaunchPlans) {
       if (M % cluster != 0 || M / cluster > dcmha::cuda::kMaxWarps) continue;
       for (int slice_rows : {1, 2, 4, 8, 16, 32, 64, 128})
         for (int item_rows : {1, 2}) {
-          const int parts =
-              dcmha::cuda::compose_parts(M, slice_rows, dcmha::cuda::kKeys, 256, item_rows);
+          const int slice_keys = dcmha::cuda::kKeys / dcmha::cuda::key_slices_of(cluster);
+          const int parts = dcmha::cuda::compose_parts(M, slice_rows, slice_keys, 256, item_rows);
           EXPECT_EQ(M % parts, 0) << M;
           EXPECT_EQ(dcmha::cuda::kWarpSize % parts, 0) << M;
           EXPECT_LE(M / parts, dcmha::cuda::kCachedHeads)

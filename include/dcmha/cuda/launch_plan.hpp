@@ -54,6 +54,8 @@ constexpr int kMaxWarps = 8;
 /// own keys only; at 8 keys a warp's items (4 parts of DCFormer's 32 heads) still cover one
 /// row's keys, whose score-tile words lie in distinct banks.
 constexpr int kLeastSliceKeys = 8;
+/// How many ways such a cluster splits a tile's keys; its rows go cluster / that many ways.
+inline int key_slices_of(int cluster) { return std::min(cluster, kKeys / kLeastSliceKeys); }
 
 /// The head-dim classes the kernels are compiled for.
 constexpr int kHeadDims[] = {32, 64, 96, 128, 256};
@@ -218,7 +220,7 @@ ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
       g.warp_rows = tall && g.rows % 32 == 0 ? 32 : 16;
       g.warps = g.own_heads * g.rows / g.warp_rows;
       g.kv_slots = kv_slots_of(p.dims.H, p.dims.Hk, g.own_heads);
-      g.key_slices = std::min(g.cluster, kKeys / kLeastSliceKeys);
+      g.key_slices = key_slices_of(g.cluster);
       g.slice_keys = kKeys / g.key_slices;
       g.slice_rows = g.rows / (g.cluster / g.key_slices);
       g.compose_parts = compose_parts(g.M, g.slice_rows, g.slice_keys, g.threads(),
@@ -311,7 +313,7 @@ BackwardLaunch backward_launch(const char* fn, const detail::BackwardParams<T>& 
     const bool ok =
         fit_tiles(geo, int(p.dims.M), extent, forced_rows, opt, [&](BackwardGeometry& g) {
           g.kv_slots = kv_slots_of(p.dims.H, p.dims.Hk, g.own_heads);
-          g.key_slices = g.key_side ? 1 : std::min(g.cluster, kKeys / kLeastSliceKeys);
+          g.key_slices = g.key_side ? 1 : key_slices_of(g.cluster);
           g.slice_keys = kKeys / g.key_slices;
           g.slice = g.rows / (g.cluster / g.key_slices);
           g.compose_parts = compose_parts(g.M, g.sum_rows(), g.sum_keys(), g.threads(), kChainRows);
