@@ -224,6 +224,91 @@ DCMHA_INLINE void add_scaled_heads(const ComposeItem& it, float a, const HeadWei
     if (j < it.heads) y.v[j][i] += a * w[j];
 }
 
+/// The query-wise weights of an item's row i, read from shared memory where used: the
+/// projections' (w1 forward, w2 transposed), the outputs' (the other) and the gate.
+struct QueryWeights {
+  template <class Block, class W>
+  DCMHA_INLINE void hold(const Block&, const SideWeights<W>&, const ComposeItem&, int) {}
+  template <class W>
+  DCMHA_INLINE static int projection_term(const SideWeights<W>& w, int r, Direction d) {
+    return d == Direction::forward ? r : int(w.terms.query_rank) + r;
+  }
+  template <class W>
+  DCMHA_INLINE static int output_term(const SideWeights<W>& w, int r, Direction d) {
+    return d == Direction::forward ? int(w.terms.query_rank) + r : r;
+  }
+  template <class Block, class W>
+  DCMHA_INLINE static HeadWeights<W> term(const Block& blk, const SideWeights<W>& w,
+                                          const ComposeItem& it, int i, int term) {
+    HeadWeights<W> h;
+    h.load(blk, w.query_at(it.weight_row0 + i, term, it.part), it.heads);
+    return h;
+  }
+  template <class Block, class W>
+  DCMHA_INLINE HeadWeights<W> projection(const Block& blk, const SideWeights<W>& w,
+                                         const ComposeItem& it, int i, int r, Direction d) const {
+    return term(blk, w, it, i, projection_term(w, r, d));
+  }
+  template <class Block, class W>
+  DCMHA_INLINE HeadWeights<W> output(const Block& blk, const SideWeights<W>& w,
+                                     const ComposeItem& it, int i, int r, Direction d) const {
+    return term(blk, w, it, i, output_term(w, r, d));
+  }
+  template <class Block, class W>
+  DCMHA_INLINE HeadWeights<W> gate(const Block& blk, const SideWeights<W>& w, const ComposeItem& it,
+                                   int i) const {
+    return term(blk, w, it, i, 2 * int(w.terms.query_rank));
+  }
+};
+
+/// The same weights held in registers by a lane whose item stays the same from one key tile to
+/// the next (a block's slice of one round of items), where the registers allow: loaded once, not
+/// at every use. Ranks up to kHeldRanks (DCFormer's 2) are held; higher ones are read where used.
+template <int kRows, class W>
+struct HeldQueryWeights {
+  static constexpr int kHeldRanks = 2;
+  HeadWeights<W> w1[kRows][kHeldRanks], w2[kRows][kHeldRanks], gates[kRows];
+  bool held = false;
+
+  /// Loads the item's weights at the first compose (they must be staged and synced), or at
+  /// every round where a block's slice takes more than one round of items.
+  template <class Block>
+  DCMHA_INLINE void hold(const Block& blk, const SideWeights<W>& w, const ComposeItem& it,
+                         int rounds) {
+    if (held && rounds == 1) return;
+    held = true;
+    if (!it.valid || !w.terms.query_wise) return;
+    DCMHA_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      if (i >= it.rows) continue;
+      gates[i] = QueryWeights::term(blk, w, it, i, 2 * int(w.terms.query_rank));
+      DCMHA_UNROLL
+      for (int r = 0; r < kHeldRanks; ++r) {
+        if (r >= int(w.terms.query_rank)) continue;
+        w1[i][r] = QueryWeights::term(blk, w, it, i, r);
+        w2[i][r] = QueryWeights::term(blk, w, it, i, int(w.terms.query_rank) + r);
+      }
+    }
+  }
+  template <class Block>
+  DCMHA_INLINE HeadWeights<W> projection(const Block& blk, const SideWeights<W>& w,
+                                         const ComposeItem& it, int i, int r, Direction d) const {
+    if (r >= kHeldRanks) return QueryWeights{}.projection(blk, w, it, i, r, d);
+    return d == Direction::forward ? w1[i][r] : w2[i][r];
+  }
+  template <class Block>
+  DCMHA_INLINE HeadWeights<W> output(const Block& blk, const SideWeights<W>& w,
+                                     const ComposeItem& it, int i, int r, Direction d) const {
+    if (r >= kHeldRanks) return QueryWeights{}.output(blk, w, it, i, r, d);
+    return d == Direction::forward ? w2[i][r] : w1[i][r];
+  }
+  template <class Block>
+  DCMHA_INLINE HeadWeights<W> gate(const Block&, const SideWeights<W>&, const ComposeItem&,
+                                   int i) const {
+    return gates[i];
+  }
+};
+
 /// The low-rank projections of one item's rows: the sums over heads of x_m w[r, m], query-wise
 /// and key-wise, with w the side's w1 (forward) or w2 (transpose).
 template <int kRows>
@@ -234,12 +319,14 @@ struct Projections {
     for (int i = 0; i < kRows; ++i) DCMHA_UNROLL
     for (int r = 0; r < kMaxRank; ++r) q[i][r] = k[i][r] = 0.0f;
   }
-  /// Adds the lane's heads' values (head it.head(j) in x.v[j]) times their weights, in head order.
-  template <class Block, class W>
+  /// Adds the lane's heads' values (head it.head(j) in x.v[j]) times their weights, in head order;
+  /// the query-wise weights from `query` (QueryWeights or HeldQueryWeights).
+  template <class Block, class W, class Query = QueryWeights>
   DCMHA_INLINE void add(const Block& blk, const SideWeights<W>& w, const ComposeItem& it,
-                        const ItemValues<kRows>& x, Direction d = Direction::forward) {
+                        const ItemValues<kRows>& x, Direction d = Direction::forward,
+                        const Query& query = {}) {
     const int Rq = int(w.terms.query_rank), Rk = int(w.terms.key_rank);
-    const int q0 = d == Direction::forward ? 0 : Rq, k0 = d == Direction::forward ? 0 : Rk;
+    const int k0 = d == Direction::forward ? 0 : Rk;
     DCMHA_UNROLL
     for (int r = 0; r < kMaxRank; ++r) {
       if (r >= Rk) continue;
@@ -255,9 +342,7 @@ struct Projections {
       DCMHA_UNROLL
       for (int r = 0; r < kMaxRank; ++r) {
         if (r >= Rq) continue;
-        HeadWeights<W> qw;
-        qw.load(blk, w.query_at(it.weight_row0 + i, q0 + r, it.part), it.heads);
-        q[i][r] += dot_heads(it, x, i, qw);
+        q[i][r] += dot_heads(it, x, i, query.projection(blk, w, it, i, r, d));
       }
     }
     blk.count_fma(index_t(it.rows) * it.heads * (Rq + Rk));
@@ -278,20 +363,19 @@ struct Projections {
 /// y = Compose(x) (forward) or Compose^T(x) (transpose) of the lane's heads at the item's rows
 /// without the static term: the residual, the gates and the low-rank terms, from x and the
 /// projections. y may be x (head j's output depends on its own input only).
-template <int kRows, class Block, class W>
+template <int kRows, class Block, class W, class Query = QueryWeights>
 DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const ComposeItem& it,
                                 const Projections<kRows>& p, const ItemValues<kRows>& x,
-                                ItemValues<kRows>& y, Direction d = Direction::forward) {
+                                ItemValues<kRows>& y, Direction d = Direction::forward,
+                                const Query& query = {}) {
   const int Rq = int(w.terms.query_rank), Rk = int(w.terms.key_rank);
-  const int q0 = d == Direction::forward ? Rq : 0, k0 = d == Direction::forward ? Rk : 0;
+  const int k0 = d == Direction::forward ? Rk : 0;
   HeadWeights<W> key_gate;
   if (w.terms.key_wise) key_gate.load(blk, w.key_at(2 * Rk, it.part, it.weight_key), it.heads);
   DCMHA_UNROLL
   for (int i = 0; i < kRows; ++i) {
-    const int row = it.weight_row0 + i;
     HeadWeights<W> query_gate;
-    if (i < it.rows && w.terms.query_wise)
-      query_gate.load(blk, w.query_at(row, 2 * Rq, it.part), it.heads);
+    if (i < it.rows && w.terms.query_wise) query_gate = query.gate(blk, w, it, i);
     DCMHA_UNROLL
     for (int j = 0; j < kCachedHeads; ++j) {
       if (j >= it.heads) continue;
@@ -304,9 +388,7 @@ DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const
     DCMHA_UNROLL
     for (int r = 0; r < kMaxRank; ++r) {
       if (r >= Rq) continue;
-      HeadWeights<W> qw;
-      qw.load(blk, w.query_at(row, q0 + r, it.part), it.heads);
-      add_scaled_heads(it, p.q[i][r], qw, i, y);
+      add_scaled_heads(it, p.q[i][r], query.output(blk, w, it, i, r, d), i, y);
     }
   }
   DCMHA_UNROLL

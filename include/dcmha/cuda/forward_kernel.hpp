@@ -218,7 +218,9 @@ class ForwardKernel {
   /// The warp's composed scores of the tile at s0, masked (-inf where a row does not see a key):
   /// in registers (registers mode), or through the score tiles and Compose_pre on the block's
   /// slice.
-  DCMHA_INLINE void composed_fragments(index_t s0, int stage, Scores (&s)[kRowTiles]) {
+  template <class Query = QueryWeights>
+  DCMHA_INLINE void composed_fragments(index_t s0, int stage, Scores (&s)[kRowTiles],
+                                       Query&& query = {}) {
     if (!kComposes || geo_.mode == ForwardMode::registers) {
       scores(stage, s);
       DCMHA_UNROLL
@@ -227,7 +229,7 @@ class ForwardKernel {
       for (int i = 0; i < 4; ++i) s[m].c[j][i] *= scale();
     } else if constexpr (kComposes) {
       composed_scores(s0, stage, false);
-      if (geo_.composes()) compose_scores(s0);
+      if (geo_.composes()) compose_scores(s0, query);
       blk_.sync_cluster();
       load_fragments(blk_, composed_tiles().head(own_), row0_, 0, s[0]);
     }
@@ -238,21 +240,24 @@ class ForwardKernel {
 
   /// The online softmax's step over the tile at s0: s = exp(composed score - running maximum) of
   /// each row tile; earlier terms of row tile m's rows are to be multiplied by factor[m].
+  template <class Query = QueryWeights>
   DCMHA_INLINE void softmax_step(index_t s0, int stage, Scores (&s)[kRowTiles],
-                                 float (&factor)[kRowTiles][2]) {
-    composed_fragments(s0, stage, s);
+                                 float (&factor)[kRowTiles][2], Query&& query = {}) {
+    composed_fragments(s0, stage, s, query);
     DCMHA_UNROLL
     for (int m = 0; m < kRowTiles; ++m) online_softmax(blk_, s[m], state_[m], factor[m]);
   }
 
-  /// Pass 1: the rows' statistics of the composed scores.
+  /// Pass 1: the rows' statistics of the composed scores. No output is accumulated, so the
+  /// registers hold the lane's query-wise weights of Compose_pre through the pass.
   DCMHA_INLINE void statistics_pass(const detail::KeyRange& keys) {
     int stage = 0;
+    HeldQueryWeights<kItemRows, T> held;
     for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
       key_tile(s0, keys, stage, false);
       Scores s[kRowTiles];
       float factor[kRowTiles][2];
-      softmax_step(s0, stage, s, factor);
+      softmax_step(s0, stage, s, factor, held);
     }
   }
 
@@ -351,27 +356,30 @@ class ForwardKernel {
   }
 
   /// Compose_pre of the slice's scores; invisible positions become -inf (the statistics skip
-  /// them). Without Compose_pre (float MHA) the scores are only masked.
-  DCMHA_INLINE void compose_scores(index_t s0) {
+  /// them). Without Compose_pre (float MHA) the scores are only masked. The query-wise weights
+  /// come from `query`: QueryWeights, or HeldQueryWeights where the registers allow.
+  template <class Query>
+  DCMHA_INLINE void compose_scores(index_t s0, Query& query) {
     const SideWeights<T> w = sh().side(0);
     const GroupTiles in = group_tiles(sh().scores()), out = group_tiles(composed_tiles());
-    for (int round = 0; round < compose_rounds<kItemRows>(blk_, region(), geo_.compose_parts);
-         ++round) {
+    const int rounds = compose_rounds<kItemRows>(blk_, region(), geo_.compose_parts);
+    for (int round = 0; round < rounds; ++round) {
       const ComposeItem it =
           compose_item<kItemRows>(blk_, region(), geo_.M, geo_.compose_parts, round);
+      query.hold(blk_, w, it, rounds);
       Projections<kItemRows> proj;
       proj.zero();
       ItemValues<kItemRows> x;
       if (it.valid) {
         for_item_heads(it, [&](int j) { load_item(blk_, in.head(blk_, it.head(j)), it, x.v[j]); });
-        proj.add(blk_, w, it, x);
+        proj.add(blk_, w, it, x, Direction::forward, query);
       }
       proj.reduce(blk_, w.terms, geo_.compose_parts);
       if (!it.valid) continue;
       detail::KeyRange ranges[kItemRows];
       item_ranges(it, ranges);
       ItemValues<kItemRows> y;
-      compose_heads(blk_, w, it, proj, x, y);
+      compose_heads(blk_, w, it, proj, x, y, Direction::forward, query);
       for_item_heads(it, [&](int j) {
         const int n = it.head(j);
         if (w.terms.static_w) add_static_term(blk_, w, in, it, n, y.v[j]);
