@@ -78,10 +78,13 @@ DCMHA_INLINE void store_sums(const Block& blk, const ChainContext<T>& cx, const 
                        cx.query_axis ? p.q[i][r] : p.k[i][r]);
 }
 
-/// One item's chain; the key side (kKeySide) also composes P' for dV.
-template <bool kKeySide, class Block, class T>
+/// One item's chain; the key side (kKeySide) also composes P' for dV. The sides' query-wise
+/// weights come from pre_query and post_query (QueryWeights, or HeldQueryWeights where the
+/// registers allow).
+template <bool kKeySide, class Block, class T, class PreQuery, class PostQuery>
 DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const ComposeItem& it,
-                             const detail::KeyRange (&ranges)[kChainRows], index_t s) {
+                             const detail::KeyRange (&ranges)[kChainRows], index_t s,
+                             const PreQuery& pre_query, const PostQuery& post_query) {
   using std::exp;
   const SideWeights<T>&pre = cx.pre, &post = cx.post;
   const GroupTiles scores = cx.group(cx.tiles.scores), upstream = cx.group(cx.tiles.upstream);
@@ -97,8 +100,8 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
       load_item(blk, scores.head(blk, it.head(j)), it, x.v[j]);
       load_item(blk, upstream.head(blk, it.head(j)), it, g.v[j]);
     });
-    pre_x.add(blk, pre, it, x);
-    post_g.add(blk, post, it, g, Direction::transpose);
+    pre_x.add(blk, pre, it, x, Direction::forward, pre_query);
+    post_g.add(blk, post, it, g, Direction::transpose, post_query);
   }
   pre_x.reduce(blk, pre.terms, it.parts);
   post_g.reduce(blk, post.terms, it.parts);
@@ -106,7 +109,7 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
   Projections<kChainRows> post_x;
   post_x.zero();
   if (it.valid) {
-    compose_heads(blk, pre, it, pre_x, x, x);
+    compose_heads(blk, pre, it, pre_x, x, x, Direction::forward, pre_query);
     for_item_heads(it, [&](int j) {
       const int n = it.head(j);
       float lse[kChainRows];
@@ -119,11 +122,12 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
                 ? exp(x.v[j][i] - lse[i])
                 : 0.0f;
       blk.count_exp(it.rows);
-      store_item(blk, probs.head(blk, n), it, x.v[j]);
+      if (!cx.row_dots_only) store_item(blk, probs.head(blk, n), it, x.v[j]);
     });
-    post_x.add(blk, post, it, x);
+    if (!cx.row_dots_only) post_x.add(blk, post, it, x, Direction::forward, post_query);
   }
-  post_x.reduce(blk, post.terms, it.parts);
+  // The row dots need neither P in the tiles nor its projections (the weight gradients' terms).
+  if (!cx.row_dots_only) post_x.reduce(blk, post.terms, it.parts);
   // Each projection goes to the sums after its last use (fewer live registers).
   const bool sums = it.valid && !cx.row_dots_only;
   if (sums) store_sums(blk, cx, it, 0, 0, pre_x);
@@ -134,7 +138,7 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
   Projections<kChainRows> pre_g;
   pre_g.zero();
   if (it.valid) {
-    compose_heads(blk, post, it, post_g, g, g, Direction::transpose);
+    compose_heads(blk, post, it, post_g, g, g, Direction::transpose, post_query);
     for_item_heads(it, [&](int j) {
       const int m = it.head(j);
       float d[kChainRows] = {};
@@ -147,9 +151,9 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
       blk.count_fma(it.rows);
       store_item(blk, grads.head(blk, m), it, g.v[j]);
     });
-    if (!cx.row_dots_only) pre_g.add(blk, pre, it, g, Direction::transpose);
+    if (!cx.row_dots_only) pre_g.add(blk, pre, it, g, Direction::transpose, pre_query);
     if constexpr (kKeySide) {
-      compose_heads(blk, post, it, post_x, x, x);
+      compose_heads(blk, post, it, post_x, x, x, Direction::forward, post_query);
       for_item_heads(it, [&](int j) {
         const int m = it.head(j);
         if (post.terms.static_w) add_static_term(blk, post, probs, it, m, x.v[j]);
@@ -166,7 +170,7 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
   if (pre.terms.static_w) blk.sync_warp();
   // 4. dL = Compose_pre^T(dL') in the storage type, for dQ and dK.
   if (it.valid) {
-    compose_heads(blk, pre, it, pre_g, g, g, Direction::transpose);
+    compose_heads(blk, pre, it, pre_g, g, g, Direction::transpose, pre_query);
     for_item_heads(it, [&](int j) {
       const int m = it.head(j);
       if (pre.terms.static_w) add_static_term(blk, pre, grads, it, m, g.v[j], Direction::transpose);

@@ -347,19 +347,23 @@ class BackwardBlock {
     }
   }
 
-  template <bool kKeySide>
-  DCMHA_INLINE void run_chain(const ChainContext<T>& cx, index_t t0, index_t s0) {
-    for (int round = 0; round < compose_rounds<kChainRows>(blk_, cx.region, geo_.compose_parts);
-         ++round) {
+  /// The chain on the block's slice, the sides' query-wise weights from pre_query, post_query.
+  template <bool kKeySide, class PreQuery, class PostQuery>
+  DCMHA_INLINE void run_chain(const ChainContext<T>& cx, index_t t0, index_t s0,
+                              PreQuery& pre_query, PostQuery& post_query) {
+    const int rounds = compose_rounds<kChainRows>(blk_, cx.region, geo_.compose_parts);
+    for (int round = 0; round < rounds; ++round) {
       const ComposeItem it =
           compose_item<kChainRows>(blk_, cx.region, geo_.M, geo_.compose_parts, round);
+      pre_query.hold(blk_, cx.pre, it, rounds);
+      post_query.hold(blk_, cx.post, it, rounds);
       detail::KeyRange ranges[kChainRows];
       DCMHA_UNROLL
       for (int i = 0; i < kChainRows; ++i) {
         const index_t t = t0 + it.row0 + i;
         ranges[i] = i < it.rows && t < p_.dims.T ? mask_.row(b_, t) : detail::KeyRange{0, 0};
       }
-      chain_item<kKeySide>(blk_, cx, it, ranges, s0 + it.key);
+      chain_item<kKeySide>(blk_, cx, it, ranges, s0 + it.key, pre_query, post_query);
     }
   }
 
@@ -406,12 +410,17 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   using OperandPair = typename Base::OperandPair;
   /// The warp's Q and dO rows as A fragments (kHoldRows), loaded by the first key tile.
   using HeldQueryRows = typename Base::template HeldPair<kHoldRows ? kHeadDim : 16>;
+  /// The lane's query-wise weights of each side, loaded by the first chain: both sides held
+  /// through the row dots' pass, Compose_pre's through the gradients' pass too (beside dQ's
+  /// accumulators the registers have room for one side).
+  using HeldWeights = HeldQueryWeights<kChainRows, T>;
 
   /// The row dots, then dQ and the weight gradients; kHeld: MHA on the tensor cores with the
   /// warp's Q and dO rows held in registers.
   template <bool kHeld>
   DCMHA_INLINE void passes(const detail::KeyRange& keys) {
     HeldQueryRows held;
+    HeldWeights weights[2];
     int stage = 0;
     // Without Compose_post, O = P V per head, so D = rowsum(dO O) (FlashAttention's row dots).
     if (p_.out.data != nullptr && !geo_.terms.post.enabled()) {
@@ -419,14 +428,14 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     } else {
       for (index_t s0 = first_key_tile<kHeld>(keys, held); s0 < keys.end; s0 += kKeys, stage ^= 1) {
         key_tile(s0, keys, stage);
-        row_dots_step<kHeld>(s0, stage, keys, held);
+        row_dots_step<kHeld>(s0, stage, keys, held, weights);
       }
     }
     finish_row_dots();
     stage = 0;
     for (index_t s0 = first_key_tile<kHeld>(keys, held); s0 < keys.end; s0 += kKeys, stage ^= 1) {
       key_tile(s0, keys, stage);
-      gradients_step<kHeld>(s0, stage, keys, held);
+      gradients_step<kHeld>(s0, stage, keys, held, weights);
     }
     store();
     blk_.sync_cluster();  // peers read this block's shared memory until their last chain
@@ -520,9 +529,11 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     blk_.count_exp(kKeyTiles * 4);
   }
 
-  /// The products into the chain tiles, the key-wise weights, the chain on the block's slice.
+  /// The products into the chain tiles, the key-wise weights, the chain on the block's slice
+  /// (the sides' query-wise weights from pre_query and post_query).
+  template <class PreQuery, class PostQuery>
   DCMHA_INLINE void chain_step(index_t s0, int stage, const detail::KeyRange& keys,
-                               bool row_dots_only) {
+                               bool row_dots_only, PreQuery& pre_query, PostQuery& post_query) {
     Scores s, dp;
     this->pair_products(query_rows(), key_rows(stage), s, dp);
     store_fragments(blk_, s, sh().chain().scores.head(own_), row0_, 0, this->scale());
@@ -539,14 +550,14 @@ class QueryGradKernel : BackwardBlock<T, Block> {
         this->chain_context(sh(), {slice_row_begin_, geo_.slice, slice_key_begin_, geo_.slice_keys,
                                    slice_row_begin_, slice_key_begin_});
     cx.row_dots_only = row_dots_only;
-    this->template run_chain<false>(cx, t0_, s0);
+    this->template run_chain<false>(cx, t0_, s0, pre_query, post_query);
     blk_.sync_cluster();
   }
 
   /// Pass 1: D = sum over keys of P dP per row.
   template <bool kHeld>
   DCMHA_INLINE void row_dots_step(index_t s0, int stage, const detail::KeyRange& keys,
-                                  const HeldQueryRows& held) {
+                                  const HeldQueryRows& held, HeldWeights (&weights)[2]) {
     Scores s;
     if (kHeld || geo_.registers) {
       Scores dp;
@@ -558,7 +569,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
       for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
       for (int i = 0; i < 4; ++i) s.c[j][i] *= dp.c[j][i];
     } else {
-      chain_step(s0, stage, keys, true);
+      chain_step(s0, stage, keys, true, weights[0], weights[1]);
       load_fragments(blk_, sh().chain().softmax_grad.head(own_), row0_, 0, s);
     }
     DCMHA_UNROLL
@@ -628,7 +639,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   /// Pass 2: dS (dL) and dQ += dS K; the compose weights' gradients.
   template <bool kHeld>
   DCMHA_INLINE void gradients_step(index_t s0, int stage, const detail::KeyRange& keys,
-                                   const HeldQueryRows& held) {
+                                   const HeldQueryRows& held, HeldWeights (&weights)[2]) {
     if (kHeld || geo_.registers) {
       if constexpr (kTensorCoreType<T>) {
         Scores s, dp;
@@ -643,7 +654,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
       }
       return;
     }
-    chain_step(s0, stage, keys, false);
+    QueryWeights post;  // only Compose_pre's are held beside dQ's accumulators
+    chain_step(s0, stage, keys, false, weights[0], post);
     product_rows_cols(blk_, sh().dscores().head(own_), row0_, sh().k(stage).head(kv_slot_), 0, 0,
                       kKeys, dq_);
     this->accumulate_weight_grads(sh());
@@ -836,7 +848,8 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     blk_.sync_cluster();
     const ChainContext<T> cx =
         this->chain_context(sh(), {0, kStreamRows, slice_begin_, geo_.slice, 0});
-    this->template run_chain<true>(cx, t0, s0_);
+    QueryWeights pre, post;  // a streamed row's weights serve one tile
+    this->template run_chain<true>(cx, t0, s0_, pre, post);
     blk_.sync_cluster();
     product_cols_cols(blk_, sh().values_probs().head(own_), row0_, sh().dout(stage).head(own_), 0,
                       kStreamRows, dv_);
