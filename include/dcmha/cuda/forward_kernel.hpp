@@ -93,6 +93,20 @@ class ForwardKernel {
   using Values = Accumulators<kValueTiles>;
   using Scores = Accumulators<kKeyTiles>;
 
+  /// What a pass holds in registers across its key tiles. The statistics pass, where no output
+  /// accumulates, holds the warp's Q fragments (tensor cores, 16-row warps) and the lane's
+  /// query-wise weights of Compose_pre; the others read both from shared memory every tile
+  /// (beside the outputs' accumulators even the weights make ptxas spill).
+  struct NothingHeld {
+    static constexpr bool kQueryRows = false;
+    QueryWeights query_weights;
+  };
+  struct StatisticsHeld {
+    static constexpr bool kQueryRows = kTensorCoreType<T> && kRowTiles == 1;
+    HeldRows<kQueryRows ? kHeadDim : 16> query_rows;
+    HeldQueryWeights<kItemRows, T> query_weights;
+  };
+
   // --- setup -----------------------------------------------------------------------------------
 
   DCMHA_INLINE index_t query_length() const { return mask_.query_length(b_); }
@@ -192,21 +206,31 @@ class ForwardKernel {
 
   // --- the passes ------------------------------------------------------------------------------
 
-  /// S = Q K^T of the warp's head and rows (unscaled), a row tile each.
-  DCMHA_INLINE void scores(int stage, Scores (&s)[kRowTiles]) const {
+  /// Q K^T's depth: the head dim in whole k16 steps (the tiles hold zeros past it).
+  DCMHA_INLINE int score_depth() const { return (geo_.D + 15) / 16 * 16; }
+
+  /// S = Q K^T of the warp's head and rows (unscaled), a row tile each; Q's fragments from
+  /// `held` where the pass holds them.
+  template <class Held>
+  DCMHA_INLINE void scores(int stage, Scores (&s)[kRowTiles], const Held& held) const {
     DCMHA_UNROLL
     for (int m = 0; m < kRowTiles; ++m) s[m].zero();
-    const int depth = (geo_.D + 15) / 16 * 16;
-    product_rows_rows(blk_, sh().q().head(own_), row0_, sh().k(stage).head(kv_slot_), 0, depth, s);
+    const int depth = score_depth();
+    if constexpr (Held::kQueryRows)
+      product_held_rows(blk_, held.query_rows, sh().k(stage).head(kv_slot_), 0, depth, s[0]);
+    else
+      product_rows_rows(blk_, sh().q().head(own_), row0_, sh().k(stage).head(kv_slot_), 0, depth,
+                        s);
   }
 
   DCMHA_INLINE float scale() const { return float(p_.scale); }
 
   /// The scores of the tile at s0 into the block's score tiles, Compose_pre on the block's slice
   /// with its output in the own heads' tiles (composed_tiles()); ends with the cluster synced.
-  DCMHA_INLINE void composed_scores(index_t s0, int stage, bool post_keys) {
+  template <class Held = NothingHeld>
+  DCMHA_INLINE void composed_scores(index_t s0, int stage, bool post_keys, const Held& held = {}) {
     Scores s[1];
-    scores(stage, s);
+    scores(stage, s, held);
     store_fragments(blk_, s[0], sh().scores().head(own_), row0_, 0, scale());
     stage_key_weights(0, p_.compose.pre, s0);
     if (post_keys) stage_key_weights(1, p_.compose.post, s0);
@@ -217,19 +241,19 @@ class ForwardKernel {
 
   /// The warp's composed scores of the tile at s0, masked (-inf where a row does not see a key):
   /// in registers (registers mode), or through the score tiles and Compose_pre on the block's
-  /// slice.
-  template <class Query = QueryWeights>
+  /// slice. `held`: what the pass holds in registers.
+  template <class Held = NothingHeld>
   DCMHA_INLINE void composed_fragments(index_t s0, int stage, Scores (&s)[kRowTiles],
-                                       Query&& query = {}) {
+                                       Held&& held = {}) {
     if (!kComposes || geo_.mode == ForwardMode::registers) {
-      scores(stage, s);
+      scores(stage, s, held);
       DCMHA_UNROLL
       for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
       for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
       for (int i = 0; i < 4; ++i) s[m].c[j][i] *= scale();
     } else if constexpr (kComposes) {
-      composed_scores(s0, stage, false);
-      if (geo_.composes()) compose_scores(s0, query);
+      composed_scores(s0, stage, false, held);
+      if (geo_.composes()) compose_scores(s0, held.query_weights);
       blk_.sync_cluster();
       load_fragments(blk_, composed_tiles().head(own_), row0_, 0, s[0]);
     }
@@ -240,21 +264,23 @@ class ForwardKernel {
 
   /// The online softmax's step over the tile at s0: s = exp(composed score - running maximum) of
   /// each row tile; earlier terms of row tile m's rows are to be multiplied by factor[m].
-  template <class Query = QueryWeights>
+  template <class Held = NothingHeld>
   DCMHA_INLINE void softmax_step(index_t s0, int stage, Scores (&s)[kRowTiles],
-                                 float (&factor)[kRowTiles][2], Query&& query = {}) {
-    composed_fragments(s0, stage, s, query);
+                                 float (&factor)[kRowTiles][2], Held&& held = {}) {
+    composed_fragments(s0, stage, s, held);
     DCMHA_UNROLL
     for (int m = 0; m < kRowTiles; ++m) online_softmax(blk_, s[m], state_[m], factor[m]);
   }
 
-  /// Pass 1: the rows' statistics of the composed scores. No output is accumulated, so the
-  /// registers hold the lane's query-wise weights of Compose_pre through the pass.
+  /// Pass 1: the rows' statistics of the composed scores.
   DCMHA_INLINE void statistics_pass(const detail::KeyRange& keys) {
     int stage = 0;
-    HeldQueryWeights<kItemRows, T> held;
+    StatisticsHeld held;
     for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
       key_tile(s0, keys, stage, false);
+      if constexpr (StatisticsHeld::kQueryRows)
+        if (s0 == keys.begin)  // Q landed with the first key tile
+          load_held_rows(blk_, sh().q().head(own_), row0_, score_depth(), held.query_rows);
       Scores s[kRowTiles];
       float factor[kRowTiles][2];
       softmax_step(s0, stage, s, factor, held);
