@@ -106,11 +106,21 @@ inline void place_dense(AnyView& v, const index_t* shape, Arena& arena) {
   v.set_data(arena.alloc(size_t(run) * v.elem));
 }
 
-/// Moves `a` and `b` into one arena buffer where b starts inside a's range (at the same address
-/// when `same_start`), a's bytes copied along so that a still holds its values.
+/// Byte offset from a's data of its middle element (index (shape - 1) / 2 in every dim).
+inline size_t middle_element(const AnyView& a) {
+  index_t at = 0;
+  for (int d = 0; d < a.rank; ++d) at += (a.shape[d] - 1) / 2 * std::max<index_t>(a.stride[d], 0);
+  return size_t(at) * a.elem;
+}
+
+/// Moves `a` and `b` into one arena buffer where b's first element shares a byte with one of a's
+/// (starts at the same address when `same_start`), a's bytes copied along so that a still holds
+/// its values. Not merely inside a's range: a padded or permuted view has gaps between its
+/// elements, and b placed in them shares no byte with a, which the library rightly accepts.
 inline std::string overlap(AnyView& a, AnyView& b, Arena& arena, bool same_start) {
   const size_t a_bytes = size_t(a.extent()) * a.elem, b_bytes = size_t(b.extent()) * b.elem;
-  const size_t at = same_start ? 0 : (a_bytes / 2) / 8 * 8;  // 8-byte aligned for every type
+  // Rounded down to b's alignment, b's first element still covers the first byte of a's.
+  const size_t at = same_start ? 0 : middle_element(a) / b.elem * b.elem;
   unsigned char* p = arena.alloc(std::max(a_bytes, at + b_bytes));
   std::memcpy(p, a.data(), a_bytes);
   a.set_data(p);
