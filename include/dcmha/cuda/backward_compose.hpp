@@ -78,106 +78,145 @@ DCMHA_INLINE void store_sums(const Block& blk, const ChainContext<T>& cx, const 
                        cx.query_axis ? p.q[i][r] : p.k[i][r]);
 }
 
-/// One item's chain; the key side (kKeySide) also composes P' for dV. The sides' query-wise
-/// weights come from pre_query and post_query (QueryWeights, or HeldQueryWeights where the
-/// registers allow).
+/// One item's chain in steps, its values and projections kept between them; the key side
+/// (kKeySide) also composes P' for dV. The sides' query-wise weights come from pre_query and
+/// post_query (QueryWeights, or HeldQueryWeights where the registers allow). Every lane runs
+/// every step (the parts' shuffles need all lanes), an invalid item only the reductions.
 template <bool kKeySide, class Block, class T, class PreQuery, class PostQuery>
-DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const ComposeItem& it,
-                             const detail::KeyRange (&ranges)[kChainRows], index_t s,
-                             const PreQuery& pre_query, const PostQuery& post_query) {
-  using std::exp;
-  const SideWeights<T>&pre = cx.pre, &post = cx.post;
-  const GroupTiles scores = cx.group(cx.tiles.scores), upstream = cx.group(cx.tiles.upstream);
-  const GroupTiles probs = cx.group(cx.tiles.probs), grads = cx.group(cx.tiles.softmax_grad);
+struct ChainSteps {
+  const Block& blk;
+  const ChainContext<T>& cx;
+  const ComposeItem& it;
+  const PreQuery& pre_query;
+  const PostQuery& post_query;
   // The lane's heads' values in registers, in place: L, then P, then P'; dP', then dP, dL', dL.
   ItemValues<kChainRows> x, g;
-  // 1. Projections of L (Compose_pre) and of dP' (Compose_post's transpose).
-  Projections<kChainRows> pre_x, post_g;
-  pre_x.zero();
-  post_g.zero();
-  if (it.valid) {
-    for_item_heads(it, [&](int j) {
-      load_item(blk, scores.head(blk, it.head(j)), it, x.v[j]);
-      load_item(blk, upstream.head(blk, it.head(j)), it, g.v[j]);
-    });
-    pre_x.add(blk, pre, it, x, Direction::forward, pre_query);
-    post_g.add(blk, post, it, g, Direction::transpose, post_query);
+  // The projections of L and dL' (Compose_pre), of P and dP' (Compose_post).
+  Projections<kChainRows> pre_x, pre_g, post_x, post_g;
+
+  DCMHA_INLINE ChainSteps(const Block& b, const ChainContext<T>& c, const ComposeItem& i,
+                          const PreQuery& pre, const PostQuery& post)
+      : blk(b), cx(c), it(i), pre_query(pre), post_query(post) {}
+  DCMHA_INLINE GroupTiles group(const ScoreTiles& t) const { return cx.group(t); }
+  /// Whether the weight gradients' projections go to the sums (not in the row dots' pass).
+  DCMHA_INLINE bool keeps_sums() const { return it.valid && !cx.row_dots_only; }
+
+  /// 1. Projections of L (Compose_pre) and of dP' (Compose_post's transpose).
+  DCMHA_INLINE void project_inputs() {
+    pre_x.zero();
+    post_g.zero();
+    if (it.valid) {
+      for_item_heads(it, [&](int j) {
+        load_item(blk, group(cx.tiles.scores).head(blk, it.head(j)), it, x.v[j]);
+        load_item(blk, group(cx.tiles.upstream).head(blk, it.head(j)), it, g.v[j]);
+      });
+      pre_x.add(blk, cx.pre, it, x, Direction::forward, pre_query);
+      post_g.add(blk, cx.post, it, g, Direction::transpose, post_query);
+    }
+    pre_x.reduce(blk, cx.pre.terms, it.parts);
+    post_g.reduce(blk, cx.post.terms, it.parts);
   }
-  pre_x.reduce(blk, pre.terms, it.parts);
-  post_g.reduce(blk, post.terms, it.parts);
-  // 2. P = exp(Compose_pre(L) - lse) to its owner, and its projections (Compose_post).
-  Projections<kChainRows> post_x;
-  post_x.zero();
-  if (it.valid) {
-    compose_heads(blk, pre, it, pre_x, x, x, Direction::forward, pre_query);
-    for_item_heads(it, [&](int j) {
-      const int n = it.head(j);
-      float lse[kChainRows];
-      if (pre.terms.static_w) add_static_term(blk, pre, scores, it, n, x.v[j]);
-      load_statistic(blk, cx, cx.lse, it, n, lse);
-      DCMHA_UNROLL
-      for (int i = 0; i < kChainRows; ++i)
-        x.v[j][i] =
-            i < it.rows && ranges[i].contains(s) && lse[i] > detail::negative_infinity<float>()
-                ? exp(x.v[j][i] - lse[i])
-                : 0.0f;
-      blk.count_exp(it.rows);
-      if (!cx.row_dots_only) store_item(blk, probs.head(blk, n), it, x.v[j]);
-    });
-    if (!cx.row_dots_only) post_x.add(blk, post, it, x, Direction::forward, post_query);
+
+  /// 2. P = exp(Compose_pre(L) - lse) to its owner, and its projections (Compose_post). The row
+  /// dots need neither P in the tiles nor its projections (the weight gradients' terms).
+  DCMHA_INLINE void probabilities(const detail::KeyRange (&ranges)[kChainRows], index_t s) {
+    using std::exp;
+    post_x.zero();
+    if (it.valid) {
+      compose_heads(blk, cx.pre, it, pre_x, x, x, Direction::forward, pre_query);
+      for_item_heads(it, [&](int j) {
+        const int n = it.head(j);
+        float lse[kChainRows];
+        if (cx.pre.terms.static_w)
+          add_static_term(blk, cx.pre, group(cx.tiles.scores), it, n, x.v[j]);
+        load_statistic(blk, cx, cx.lse, it, n, lse);
+        DCMHA_UNROLL
+        for (int i = 0; i < kChainRows; ++i)
+          x.v[j][i] =
+              i < it.rows && ranges[i].contains(s) && lse[i] > detail::negative_infinity<float>()
+                  ? exp(x.v[j][i] - lse[i])
+                  : 0.0f;
+        blk.count_exp(it.rows);
+        if (!cx.row_dots_only) store_item(blk, group(cx.tiles.probs).head(blk, n), it, x.v[j]);
+      });
+      if (!cx.row_dots_only) post_x.add(blk, cx.post, it, x, Direction::forward, post_query);
+    }
+    if (!cx.row_dots_only) post_x.reduce(blk, cx.post.terms, it.parts);
+    // Each projection goes to the sums after its last use (fewer live registers).
+    if (keeps_sums()) store_sums(blk, cx, it, 0, 0, pre_x);
+    if (keeps_sums() && !kKeySide) store_sums(blk, cx, it, 1, 0, post_x);
   }
-  // The row dots need neither P in the tiles nor its projections (the weight gradients' terms).
-  if (!cx.row_dots_only) post_x.reduce(blk, post.terms, it.parts);
-  // Each projection goes to the sums after its last use (fewer live registers).
-  const bool sums = it.valid && !cx.row_dots_only;
-  if (sums) store_sums(blk, cx, it, 0, 0, pre_x);
-  if (sums && !kKeySide) store_sums(blk, cx, it, 1, 0, post_x);
-  // Static terms read the other parts' probabilities: the item's lanes are one warp.
-  if (post.terms.static_w) blk.sync_warp();
-  // 3. dP = Compose_post^T(dP'); dL' = P (dP - D), or P * dP; P' = Compose_post(P) for dV.
-  Projections<kChainRows> pre_g;
-  pre_g.zero();
-  if (it.valid) {
-    compose_heads(blk, post, it, post_g, g, g, Direction::transpose, post_query);
+
+  /// 3. dP = Compose_post^T(dP'); dL' = P (dP - D), or P * dP, to the owners; its projections
+  /// (Compose_pre's transpose).
+  DCMHA_INLINE void softmax_gradient() {
+    pre_g.zero();
+    if (!it.valid) return;
+    compose_heads(blk, cx.post, it, post_g, g, g, Direction::transpose, post_query);
     for_item_heads(it, [&](int j) {
       const int m = it.head(j);
       float d[kChainRows] = {};
-      if (post.terms.static_w)
-        add_static_term(blk, post, upstream, it, m, g.v[j], Direction::transpose);
+      if (cx.post.terms.static_w)
+        add_static_term(blk, cx.post, group(cx.tiles.upstream), it, m, g.v[j],
+                        Direction::transpose);
       if (!cx.row_dots_only) load_statistic(blk, cx, cx.row_dot, it, m, d);
       DCMHA_UNROLL
       for (int i = 0; i < kChainRows; ++i)
         g.v[j][i] = cx.row_dots_only ? x.v[j][i] * g.v[j][i] : x.v[j][i] * (g.v[j][i] - d[i]);
       blk.count_fma(it.rows);
-      store_item(blk, grads.head(blk, m), it, g.v[j]);
+      store_item(blk, group(cx.tiles.softmax_grad).head(blk, m), it, g.v[j]);
     });
-    if (!cx.row_dots_only) pre_g.add(blk, pre, it, g, Direction::transpose, pre_query);
-    if constexpr (kKeySide) {
-      compose_heads(blk, post, it, post_x, x, x, Direction::forward, post_query);
-      for_item_heads(it, [&](int j) {
-        const int m = it.head(j);
-        if (post.terms.static_w) add_static_term(blk, post, probs, it, m, x.v[j]);
-        DCMHA_UNROLL
-        for (int i = 0; i < kChainRows; ++i) x.v[j][i] = ranges[i].contains(s) ? x.v[j][i] : 0.0f;
-        store_operand(blk, cx.values_probs, cx.own_heads, it, m, x.v[j]);
-      });
-    }
+    if (!cx.row_dots_only) pre_g.add(blk, cx.pre, it, g, Direction::transpose, pre_query);
   }
-  if (sums && kKeySide) store_sums(blk, cx, it, 1, 0, post_x);
-  if (sums) store_sums(blk, cx, it, 1, 1, post_g);
-  if (cx.row_dots_only) return;
-  pre_g.reduce(blk, pre.terms, it.parts);
-  if (pre.terms.static_w) blk.sync_warp();
-  // 4. dL = Compose_pre^T(dL') in the storage type, for dQ and dK.
-  if (it.valid) {
-    compose_heads(blk, pre, it, pre_g, g, g, Direction::transpose, pre_query);
+
+  /// The key side's P' = Compose_post(P) for dV, in the storage type (0 outside the rows' keys).
+  DCMHA_INLINE void values_probs(const detail::KeyRange (&ranges)[kChainRows], index_t s) {
+    if (!it.valid) return;
+    compose_heads(blk, cx.post, it, post_x, x, x, Direction::forward, post_query);
     for_item_heads(it, [&](int j) {
       const int m = it.head(j);
-      if (pre.terms.static_w) add_static_term(blk, pre, grads, it, m, g.v[j], Direction::transpose);
-      store_operand(blk, cx.dscores, cx.own_heads, it, m, g.v[j]);
+      if (cx.post.terms.static_w)
+        add_static_term(blk, cx.post, group(cx.tiles.probs), it, m, x.v[j]);
+      DCMHA_UNROLL
+      for (int i = 0; i < kChainRows; ++i) x.v[j][i] = ranges[i].contains(s) ? x.v[j][i] : 0.0f;
+      store_operand(blk, cx.values_probs, cx.own_heads, it, m, x.v[j]);
     });
   }
-  if (sums) store_sums(blk, cx, it, 0, 1, pre_g);
+
+  /// 4. dL = Compose_pre^T(dL') in the storage type, for dQ and dK.
+  DCMHA_INLINE void score_gradient() {
+    pre_g.reduce(blk, cx.pre.terms, it.parts);
+    if (cx.pre.terms.static_w) blk.sync_warp();
+    if (it.valid) {
+      compose_heads(blk, cx.pre, it, pre_g, g, g, Direction::transpose, pre_query);
+      for_item_heads(it, [&](int j) {
+        const int m = it.head(j);
+        if (cx.pre.terms.static_w)
+          add_static_term(blk, cx.pre, group(cx.tiles.softmax_grad), it, m, g.v[j],
+                          Direction::transpose);
+        store_operand(blk, cx.dscores, cx.own_heads, it, m, g.v[j]);
+      });
+    }
+    if (keeps_sums()) store_sums(blk, cx, it, 0, 1, pre_g);
+  }
+};
+
+/// One item's chain (ChainSteps, in order).
+template <bool kKeySide, class Block, class T, class PreQuery, class PostQuery>
+DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const ComposeItem& it,
+                             const detail::KeyRange (&ranges)[kChainRows], index_t s,
+                             const PreQuery& pre_query, const PostQuery& post_query) {
+  ChainSteps<kKeySide, Block, T, PreQuery, PostQuery> chain(blk, cx, it, pre_query, post_query);
+  chain.project_inputs();
+  chain.probabilities(ranges, s);
+  // Static terms read the other parts' probabilities: the item's lanes are one warp.
+  if (cx.post.terms.static_w) blk.sync_warp();
+  chain.softmax_gradient();
+  if constexpr (kKeySide) chain.values_probs(ranges, s);
+  if (chain.keeps_sums() && kKeySide) store_sums(blk, cx, it, 1, 0, chain.post_x);
+  if (chain.keeps_sums()) store_sums(blk, cx, it, 1, 1, chain.post_g);
+  if (cx.row_dots_only) return;
+  chain.score_gradient();
 }
 
 }  // namespace dcmha::cuda

@@ -259,24 +259,11 @@ class BackwardBlock {
     const int R = int(query_axis ? t.query_rank : t.key_rank);
     const ChainSums projections = sh.sums();
     const ChainTiles chain = sh.chain();
-    const int line_slice = line / geo_.slice, local = line - line_slice * geo_.slice;
     LineSums sums = {};
     for (int o = first; o < others && line >= 0; o += lanes) {
       const int row = query_axis ? line : o, key = query_axis ? o : line;
-      // The query side's rows are composed by key slices of geo_.slice_keys keys.
-      const int key_slice = query_axis ? o / geo_.slice_keys : 0;
-      const int composer = line_slice * geo_.key_slices + key_slice;
-      const int sum_row = query_axis ? local : o;
-      const int sum_key = query_axis ? o - key_slice * geo_.slice_keys : local;
       float p1[kMaxRank], p2[kMaxRank];  // the composer's projections, alike for every head
-      DCMHA_UNROLL
-      for (int k = 0; k < kMaxRank; ++k) {
-        if (k >= R) continue;
-        p1[k] = blk_.load_shared(
-            blk_.peer_shared(projections.at(side, 1, k, sum_row, sum_key), composer));
-        p2[k] = blk_.load_shared(
-            blk_.peer_shared(projections.at(side, 0, k, sum_row, sum_key), composer));
-      }
+      composer_projections(projections, side, R, line, o, p1, p2);
       DCMHA_UNROLL
       for (int h = 0; h < kHeadsPerLane; ++h) {
         if (h >= heads) continue;
@@ -295,6 +282,32 @@ class BackwardBlock {
         }
       }
     }
+    add_line_lanes(sums, heads, R, lanes);
+    return sums;
+  }
+  /// The projections of one side at the line's position o of the tile's other axis, from the
+  /// block that composed it: p1 of the upstream gradient (w1's terms), p2 of the input (w2's).
+  DCMHA_INLINE void composer_projections(const ChainSums& projections, int side, int R, int line,
+                                         int o, float (&p1)[kMaxRank],
+                                         float (&p2)[kMaxRank]) const {
+    const bool query_axis = !geo_.key_side;
+    const int line_slice = line / geo_.slice, local = line - line_slice * geo_.slice;
+    // The query side's rows are composed by key slices of geo_.slice_keys keys.
+    const int key_slice = query_axis ? o / geo_.slice_keys : 0;
+    const int composer = line_slice * geo_.key_slices + key_slice;
+    const int sum_row = query_axis ? local : o;
+    const int sum_key = query_axis ? o - key_slice * geo_.slice_keys : local;
+    DCMHA_UNROLL
+    for (int k = 0; k < kMaxRank; ++k) {
+      if (k >= R) continue;
+      p1[k] = blk_.load_shared(
+          blk_.peer_shared(projections.at(side, 1, k, sum_row, sum_key), composer));
+      p2[k] = blk_.load_shared(
+          blk_.peer_shared(projections.at(side, 0, k, sum_row, sum_key), composer));
+    }
+  }
+  /// Adds up the line's lanes' shares, so that every lane of the line holds the sums.
+  DCMHA_INLINE void add_line_lanes(LineSums& sums, int heads, int R, int lanes) const {
     DCMHA_UNROLL
     for (int h = 0; h < kHeadsPerLane; ++h) {
       if (h >= heads) continue;
@@ -307,7 +320,6 @@ class BackwardBlock {
         s[kMaxRank + k] = sum_over_parts(blk_, s[kMaxRank + k], lanes);
       }
     }
-    return sums;
   }
 
   /// The pairs' sums to the caller: lines [first, first + real) of the block, past `length`
