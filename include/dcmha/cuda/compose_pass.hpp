@@ -278,15 +278,16 @@ struct HeldQueryWeights {
     if (held && rounds == 1) return;
     held = true;
     if (!it.valid || !w.terms.query_wise) return;
+    const QueryWeights from_shared{};
     DCMHA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       if (i >= it.rows) continue;
-      gates[i] = QueryWeights::term(blk, w, it, i, 2 * int(w.terms.query_rank));
+      gates[i] = from_shared.gate(blk, w, it, i);
       DCMHA_UNROLL
       for (int r = 0; r < kHeldRanks; ++r) {
         if (r >= int(w.terms.query_rank)) continue;
-        w1[i][r] = QueryWeights::term(blk, w, it, i, r);
-        w2[i][r] = QueryWeights::term(blk, w, it, i, int(w.terms.query_rank) + r);
+        w1[i][r] = from_shared.projection(blk, w, it, i, r, Direction::forward);
+        w2[i][r] = from_shared.output(blk, w, it, i, r, Direction::forward);
       }
     }
   }
