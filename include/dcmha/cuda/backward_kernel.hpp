@@ -422,9 +422,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   using OperandPair = typename Base::OperandPair;
   /// The warp's Q and dO rows as A fragments (kHoldRows), loaded by the first key tile.
   using HeldQueryRows = typename Base::template HeldPair<kHoldRows ? kHeadDim : 16>;
-  /// The lane's query-wise weights of each side, loaded by the first chain: both sides held
-  /// through the row dots' pass, Compose_pre's through the gradients' pass too (beside dQ's
-  /// accumulators the registers have room for one side).
+  /// The lane's query-wise weights of each side, loaded by the first chain and held through
+  /// both passes (beside dQ's accumulators: 252 registers at head dim 128).
   using HeldWeights = HeldQueryWeights<kChainRows, T>;
 
   /// The row dots, then dQ and the weight gradients; kHeld: MHA on the tensor cores with the
@@ -666,8 +665,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
       }
       return;
     }
-    QueryWeights post;  // only Compose_pre's are held beside dQ's accumulators
-    chain_step(s0, stage, keys, false, weights[0], post);
+    chain_step(s0, stage, keys, false, weights[0], weights[1]);
     product_rows_cols(blk_, sh().dscores().head(own_), row0_, sh().k(stage).head(kv_slot_), 0, 0,
                       kKeys, dq_);
     this->accumulate_weight_grads(sh());
