@@ -423,7 +423,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   /// The warp's Q and dO rows as A fragments (kHoldRows), loaded by the first key tile.
   using HeldQueryRows = typename Base::template HeldPair<kHoldRows ? kHeadDim : 16>;
   /// The lane's query-wise weights of each side, loaded by the first chain and held through
-  /// both passes (beside dQ's accumulators: 252 registers at head dim 128).
+  /// both passes (in the second beside dQ's accumulators, without a spill up to head dim 128).
   using HeldWeights = HeldQueryWeights<kChainRows, T>;
 
   /// The row dots, then dQ and the weight gradients; kHeld: MHA on the tensor cores with the
