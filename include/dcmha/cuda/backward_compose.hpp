@@ -97,7 +97,6 @@ struct ChainSteps {
   DCMHA_INLINE ChainSteps(const Block& b, const ChainContext<T>& c, const ComposeItem& i,
                           const PreQuery& pre, const PostQuery& post)
       : blk(b), cx(c), it(i), pre_query(pre), post_query(post) {}
-  DCMHA_INLINE GroupTiles group(const ScoreTiles& t) const { return cx.group(t); }
   /// Whether the weight gradients' projections go to the sums (not in the row dots' pass).
   DCMHA_INLINE bool keeps_sums() const { return it.valid && !cx.row_dots_only; }
 
@@ -107,8 +106,8 @@ struct ChainSteps {
     post_g.zero();
     if (it.valid) {
       for_item_heads(it, [&](int j) {
-        load_item(blk, group(cx.tiles.scores).head(blk, it.head(j)), it, x.v[j]);
-        load_item(blk, group(cx.tiles.upstream).head(blk, it.head(j)), it, g.v[j]);
+        load_item(blk, cx.group(cx.tiles.scores).head(blk, it.head(j)), it, x.v[j]);
+        load_item(blk, cx.group(cx.tiles.upstream).head(blk, it.head(j)), it, g.v[j]);
       });
       pre_x.add(blk, cx.pre, it, x, Direction::forward, pre_query);
       post_g.add(blk, cx.post, it, g, Direction::transpose, post_query);
@@ -128,7 +127,7 @@ struct ChainSteps {
         const int n = it.head(j);
         float lse[kChainRows];
         if (cx.pre.terms.static_w)
-          add_static_term(blk, cx.pre, group(cx.tiles.scores), it, n, x.v[j]);
+          add_static_term(blk, cx.pre, cx.group(cx.tiles.scores), it, n, x.v[j]);
         load_statistic(blk, cx, cx.lse, it, n, lse);
         DCMHA_UNROLL
         for (int i = 0; i < kChainRows; ++i)
@@ -137,7 +136,7 @@ struct ChainSteps {
                   ? exp(x.v[j][i] - lse[i])
                   : 0.0f;
         blk.count_exp(it.rows);
-        if (!cx.row_dots_only) store_item(blk, group(cx.tiles.probs).head(blk, n), it, x.v[j]);
+        if (!cx.row_dots_only) store_item(blk, cx.group(cx.tiles.probs).head(blk, n), it, x.v[j]);
       });
       if (!cx.row_dots_only) post_x.add(blk, cx.post, it, x, Direction::forward, post_query);
     }
@@ -157,14 +156,14 @@ struct ChainSteps {
       const int m = it.head(j);
       float d[kChainRows] = {};
       if (cx.post.terms.static_w)
-        add_static_term(blk, cx.post, group(cx.tiles.upstream), it, m, g.v[j],
+        add_static_term(blk, cx.post, cx.group(cx.tiles.upstream), it, m, g.v[j],
                         Direction::transpose);
       if (!cx.row_dots_only) load_statistic(blk, cx, cx.row_dot, it, m, d);
       DCMHA_UNROLL
       for (int i = 0; i < kChainRows; ++i)
         g.v[j][i] = cx.row_dots_only ? x.v[j][i] * g.v[j][i] : x.v[j][i] * (g.v[j][i] - d[i]);
       blk.count_fma(it.rows);
-      store_item(blk, group(cx.tiles.softmax_grad).head(blk, m), it, g.v[j]);
+      store_item(blk, cx.group(cx.tiles.softmax_grad).head(blk, m), it, g.v[j]);
     });
     if (!cx.row_dots_only) pre_g.add(blk, cx.pre, it, g, Direction::transpose, pre_query);
   }
@@ -176,7 +175,7 @@ struct ChainSteps {
     for_item_heads(it, [&](int j) {
       const int m = it.head(j);
       if (cx.post.terms.static_w)
-        add_static_term(blk, cx.post, group(cx.tiles.probs), it, m, x.v[j]);
+        add_static_term(blk, cx.post, cx.group(cx.tiles.probs), it, m, x.v[j]);
       DCMHA_UNROLL
       for (int i = 0; i < kChainRows; ++i) x.v[j][i] = ranges[i].contains(s) ? x.v[j][i] : 0.0f;
       store_operand(blk, cx.values_probs, cx.own_heads, it, m, x.v[j]);
@@ -192,7 +191,7 @@ struct ChainSteps {
       for_item_heads(it, [&](int j) {
         const int m = it.head(j);
         if (cx.pre.terms.static_w)
-          add_static_term(blk, cx.pre, group(cx.tiles.softmax_grad), it, m, g.v[j],
+          add_static_term(blk, cx.pre, cx.group(cx.tiles.softmax_grad), it, m, g.v[j],
                           Direction::transpose);
         store_operand(blk, cx.dscores, cx.own_heads, it, m, g.v[j]);
       });
