@@ -4,7 +4,7 @@
 //
 // Query side: a cluster per (query tile of `rows` rows, group, sequence) walks the key tiles of
 // kKeys keys; key side: a cluster per (key tile of `rows` keys, group, sequence) walks the query
-// tiles of kStreamRows rows. Either way each block owns `own_heads` heads, one warp per (own head,
+// tiles of stream_rows rows. Either way each block owns `own_heads` heads, one warp per (own head,
 // 16 rows or keys), and composes a `slice` of the resident rows or keys.
 #include "../common/compose_terms.hpp"
 #include "compose_pass.hpp"
@@ -59,13 +59,17 @@ struct BackwardLayout {
 /// Query rows per streamed tile of the key side: the Q and dO rows of the group's own heads come
 /// twice (two stages), and 16 rows keep the official DCMHA's key side within the shared memory.
 constexpr int kStreamRows = 16;
+/// The same for MHA in fragments: each warp's K and V fragments (read from shared memory at head
+/// dim 128, where they are not held) then serve 32 query rows instead of 16.
+constexpr int kFragmentStreamRows = 32;
 
 struct BackwardGeometry {
   bool registers = true;  // MHA on the tensor cores: scores, P, dP and dS stay in fragments
   bool key_side = false;
   int M = 1, cluster = 1, own_heads = 1, kv_slots = 1;
   int rows = 16;  // resident rows (query side) or keys (key side) per block, a multiple of 16
-  int warps = 1;  // own_heads * rows / 16
+  int stream_rows = kStreamRows;  // key side: query rows per streamed tile
+  int warps = 1;                  // own_heads * rows / 16
   int D = 0, Dv = 0;
   bool chunked_q = false, chunked_k = false, chunked_v = false, chunked_dout = false;
   int slice = 16;  // the resident rows or keys this block composes: rows / (cluster / key_slices)
@@ -82,7 +86,7 @@ struct BackwardGeometry {
 
   DCMHA_INLINE int threads() const { return warps * 32; }
   /// The chain tiles' rows and keys: resident x streamed (query side) or streamed x resident.
-  DCMHA_INLINE int tile_rows() const { return key_side ? kStreamRows : rows; }
+  DCMHA_INLINE int tile_rows() const { return key_side ? stream_rows : rows; }
   DCMHA_INLINE int tile_keys() const { return key_side ? rows : kKeys; }
   /// The compose region's rows and keys.
   DCMHA_INLINE int sum_rows() const { return key_side ? tile_rows() : slice; }

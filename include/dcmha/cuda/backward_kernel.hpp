@@ -39,7 +39,7 @@ class BackwardBlock {
  protected:
   DCMHA_INLINE BackwardBlock(const Block& blk, const detail::BackwardParams<T>& p,
                              const BackwardGeometry& geo)
-      : blk_(blk), p_(p), geo_(geo), mask_(p.mask, p.dims.T, p.dims.S) {
+      : blk_(blk), p_(p), geo_(geo) {
     rank_ = blk.cluster_rank();
     tile_ = int(blk.block(0) / geo.cluster);
     g_ = blk.block(1);
@@ -53,8 +53,8 @@ class BackwardBlock {
     kv_slot_ = int(head_ / heads_per_kv - kv_first_);
   }
 
-  DCMHA_INLINE index_t query_length() const { return mask_.query_length(b_); }
-  DCMHA_INLINE index_t key_length() const { return mask_.key_length(b_); }
+  DCMHA_INLINE index_t query_length() const { return mask().query_length(b_); }
+  DCMHA_INLINE index_t key_length() const { return mask().key_length(b_); }
   DCMHA_INLINE index_t own_head(int j) const { return g_ * geo_.M + rank_ * geo_.own_heads + j; }
   DCMHA_INLINE float scale() const { return float(p_.scale); }
   DCMHA_INLINE int depth_of(int width) const { return (width + 15) / 16 * 16; }
@@ -373,7 +373,7 @@ class BackwardBlock {
       DCMHA_UNROLL
       for (int i = 0; i < kChainRows; ++i) {
         const index_t t = t0 + it.row0 + i;
-        ranges[i] = i < it.rows && t < p_.dims.T ? mask_.row(b_, t) : detail::KeyRange{0, 0};
+        ranges[i] = i < it.rows && t < p_.dims.T ? mask().row(b_, t) : detail::KeyRange{0, 0};
       }
       chain_item<kKeySide>(blk_, cx, it, ranges, s0 + it.key, pre_query, post_query);
     }
@@ -382,7 +382,9 @@ class BackwardBlock {
   const Block& blk_;
   const detail::BackwardParams<T>& p_;
   const BackwardGeometry& geo_;
-  detail::RowMask mask_;
+  /// The mask, made from the kernel's parameters where used: a copy held across the tile loops
+  /// would keep its fields in registers.
+  DCMHA_INLINE detail::RowMask mask() const { return {p_.mask, p_.dims.T, p_.dims.S}; }
   int rank_ = 0, tile_ = 0, own_ = 0, row0_ = 0, kv_slot_ = 0;
   index_t g_ = 0, b_ = 0, head_ = 0, kv_first_ = 0;
 };
@@ -390,7 +392,7 @@ class BackwardBlock {
 template <class T, int kHeadDim, class Block>
 class QueryGradKernel : BackwardBlock<T, Block> {
   using Base = BackwardBlock<T, Block>;
-  using Base::blk_, Base::p_, Base::geo_, Base::mask_, Base::rank_, Base::own_, Base::row0_,
+  using Base::blk_, Base::p_, Base::geo_, Base::mask, Base::rank_, Base::own_, Base::row0_,
       Base::kv_slot_, Base::g_, Base::b_, Base::head_;
 
  public:
@@ -410,7 +412,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
 
   DCMHA_INLINE void run() {
     start();
-    const detail::KeyRange keys = mask_.rows(b_, t0_, t0_ + rows_real_);
+    const detail::KeyRange keys = mask().rows(b_, t0_, t0_ + rows_real_);
     // A pass of its own, so that the held fragments are not live across the compose path.
     if constexpr (kHoldRows)
       if (geo_.registers) return passes<true>(keys);
@@ -466,7 +468,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
                             real_end);
       stage_static_weights(blk_, sh().side(s), c, g_);
     }
-    rows_ = FragmentRows(blk_, mask_, b_, t0_ + row0_, rows_real_ - row0_);
+    rows_ = FragmentRows(blk_, mask(), b_, t0_ + row0_, rows_real_ - row0_);
     row_dot_[0] = row_dot_[1] = 0;
     dq_.zero();
     this->zero_weight_grads(sh());
@@ -719,7 +721,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     this->store_weight_grads(sh(), t0_, rows_real_, this->query_length());
   }
 
-  BackwardScratch scratch_;
+  const BackwardScratch& scratch_;  // the kernel's parameter: a copy would hold registers
   DCMHA_INLINE BackwardTiles<T, kHeadDim> sh() const { return {geo_, blk_.shared()}; }
   index_t t0_ = 0;
   int rows_real_ = 0, slice_row_begin_ = 0, slice_key_begin_ = 0;
@@ -732,11 +734,11 @@ class QueryGradKernel : BackwardBlock<T, Block> {
 template <class T, int kHeadDim, class Block>
 class KeyGradKernel : BackwardBlock<T, Block> {
   using Base = BackwardBlock<T, Block>;
-  using Base::blk_, Base::p_, Base::geo_, Base::mask_, Base::rank_, Base::own_, Base::row0_,
+  using Base::blk_, Base::p_, Base::geo_, Base::mask, Base::rank_, Base::own_, Base::row0_,
       Base::kv_slot_, Base::g_, Base::b_, Base::head_;
 
  public:
-  static constexpr int kRowTiles = kStreamRows / 8, kDimTiles = kHeadDim / 8;
+  static constexpr int kDimTiles = kHeadDim / 8;
   /// MHA on the tensor cores holds the warp's K and V rows in registers across the query tiles
   /// (kHeadDim / 2 registers a lane beside dK's and dV's kHeadDim) up to head dim 96; at 128
   /// even K alone makes ptxas spill.
@@ -752,24 +754,30 @@ class KeyGradKernel : BackwardBlock<T, Block> {
 
   DCMHA_INLINE void run() {
     start();
-    // A loop of its own, so that the held fragments are not live across the compose path.
-    if constexpr (kHoldKeys)
-      if (geo_.registers) return query_tiles<true>();
-    query_tiles<false>();
+    // Loops of their own, so that the fragments' registers are not live across the compose path.
+    if constexpr (kTensorCoreType<T>)
+      if (geo_.registers) return query_tiles<true, kHoldKeys>();
+    query_tiles<false, false>();
   }
 
  private:
-  using Rows = Accumulators<kRowTiles>;
+  /// S^T or dP'^T of a streamed tile: the warp's 16 keys x kRows query rows.
+  template <int kRows>
+  using Rows = Accumulators<kRows / 8>;
   using OperandPair = typename Base::OperandPair;
   /// The warp's K and V rows as A fragments (kHoldKeys), loaded once they landed.
   using HeldKeyRows = typename Base::template HeldPair<kHoldKeys ? kHeadDim : 16>;
+  /// Query rows per streamed tile: MHA in fragments (kRegisters) or the compose chain.
+  template <bool kRegisters>
+  static constexpr int kRowsOf = kRegisters ? kFragmentStreamRows : kStreamRows;
 
-  /// The query tiles that see the block's keys; kHeld: MHA on the tensor cores with the warp's K
-  /// and V rows held in registers.
-  template <bool kHeld>
+  /// The query tiles that see the block's keys; kRegisters: MHA on the tensor cores, the chain
+  /// in fragments; kHeld: with the warp's K and V rows held in registers.
+  template <bool kRegisters, bool kHeld>
   DCMHA_INLINE void query_tiles() {
+    constexpr int kRows = kRowsOf<kRegisters>;
     HeldKeyRows held;
-    const index_t tiles = (p_.dims.T + kStreamRows - 1) / kStreamRows;
+    const index_t tiles = (p_.dims.T + kRows - 1) / kRows;
     int stage = 0;
     index_t next = next_tile(0, tiles);
     if (next < tiles) stage_tile(next, 0);
@@ -780,7 +788,7 @@ class KeyGradKernel : BackwardBlock<T, Block> {
       if constexpr (kHeld)
         if (!held.loaded) this->hold_pair(key_rows(), held);  // landed with the first query tile
       if (next < tiles) stage_tile(next, stage ^ 1);
-      rows_step<kHeld>(tile * kStreamRows, stage, held);
+      rows_step<kRegisters, kHeld>(tile * kRows, stage, held);
     }
     store();
     blk_.sync_cluster();
@@ -806,9 +814,9 @@ class KeyGradKernel : BackwardBlock<T, Block> {
   /// The first query tile at or after `tile` whose rows see a key of the block.
   DCMHA_INLINE index_t next_tile(index_t tile, index_t tiles) const {
     for (; tile < tiles; ++tile) {
-      const index_t t0 = tile * kStreamRows;
-      const index_t t1 = t0 + kStreamRows < p_.dims.T ? t0 + kStreamRows : p_.dims.T;
-      const detail::KeyRange r = mask_.rows(b_, t0, t1);
+      const index_t t0 = tile * geo_.tile_rows();
+      const index_t t1 = t0 + geo_.tile_rows() < p_.dims.T ? t0 + geo_.tile_rows() : p_.dims.T;
+      const detail::KeyRange r = mask().rows(b_, t0, t1);
       if (r.begin < s0_ + keys_real_ && r.end > s0_) return tile;
     }
     return tiles;
@@ -820,8 +828,8 @@ class KeyGradKernel : BackwardBlock<T, Block> {
   }
 
   DCMHA_INLINE void stage_tile(index_t tile, int stage) {
-    const index_t t0 = tile * kStreamRows;
-    const int rows = p_.dims.T - t0 < kStreamRows ? int(p_.dims.T - t0) : kStreamRows;
+    const index_t t0 = tile * geo_.tile_rows();
+    const int rows = p_.dims.T - t0 < geo_.tile_rows() ? int(p_.dims.T - t0) : geo_.tile_rows();
     this->stage_query_rows(sh().q(stage), p_.q, geo_.D, geo_.chunked_q, t0, rows);
     this->stage_query_rows(sh().dout(stage), p_.dout, geo_.Dv, geo_.chunked_dout, t0, rows);
     blk_.cp_async_commit();
@@ -829,30 +837,34 @@ class KeyGradKernel : BackwardBlock<T, Block> {
 
   /// The query tile at t0: S^T = scale K Q^T and dP'^T = V dO^T of the warp's head and keys,
   /// then dK and dV.
-  template <bool kHeld>
+  template <bool kRegisters, bool kHeld>
   DCMHA_INLINE void rows_step(index_t t0, int stage, const HeldKeyRows& held) {
+    constexpr int kRows = kRowsOf<kRegisters>;
+    this->load_row_statistics(sh().lse(), sh().row_dot(), scratch_.row_dot, t0, kRows, kRows);
+    Rows<kRows> st, dpt;
+    const OperandPair queries{sh().q(stage).head(own_), sh().dout(stage).head(own_)};
+    if constexpr (kHeld)
+      this->pair_products(held, queries, st, dpt);
+    else
+      this->pair_products(key_rows(), queries, st, dpt);
+    if constexpr (kRegisters) {
+      blk_.sync();  // the row statistics above, written by other warps
+      registers_step(t0, stage, st, dpt);
+    } else {
+      chain_step(t0, stage, st, dpt);
+    }
+  }
+
+  /// The compose chain on the block's slice of the tile, then dV += P'^T dO and dK += dL^T Q.
+  DCMHA_INLINE void chain_step(index_t t0, int stage, const Rows<kStreamRows>& st,
+                               const Rows<kStreamRows>& dpt) {
     const int rows = p_.dims.T - t0 < kStreamRows ? int(p_.dims.T - t0) : kStreamRows;
-    this->load_row_statistics(sh().lse(), sh().row_dot(), scratch_.row_dot, t0, kStreamRows,
-                              kStreamRows);
     const index_t real_end = std::min<index_t>(this->query_length(), t0 + rows);
     DCMHA_UNROLL
     for (int s = 0; s < 2; ++s)
       if (sh().side(s).terms.query_wise)
         stage_query_weights(blk_, sh().side(s), s == 0 ? p_.compose.pre : p_.compose.post, b_, g_,
                             t0, kStreamRows, real_end);
-    Rows st, dpt;
-    const OperandPair queries{sh().q(stage).head(own_), sh().dout(stage).head(own_)};
-    if constexpr (kHeld)
-      this->pair_products(held, queries, st, dpt);
-    else
-      this->pair_products(key_rows(), queries, st, dpt);
-    if (kHeld || geo_.registers) {
-      if constexpr (kTensorCoreType<T>) {
-        blk_.sync();  // the row statistics above, written by other warps
-        registers_step(t0, stage, st, dpt);
-      }
-      return;
-    }
     store_fragments_transposed(blk_, st, sh().chain().scores.head(own_), row0_, 0, this->scale());
     store_fragments_transposed(blk_, dpt, sh().chain().upstream.head(own_), row0_, 0, 1.0f);
     blk_.sync_cluster();
@@ -869,9 +881,13 @@ class KeyGradKernel : BackwardBlock<T, Block> {
   }
 
   /// MHA in fragments: P^T, dS^T = P^T (dP^T - D), dV += P^T dO, dK += dS^T Q.
-  DCMHA_INLINE void registers_step(index_t t0, int stage, Rows& st, const Rows& dpt) {
+  template <int kRowTiles>
+  DCMHA_INLINE void registers_step(index_t t0, int stage, Accumulators<kRowTiles>& st,
+                                   const Accumulators<kRowTiles>& dpt) {
     using std::exp;
     const FragmentPlace f(blk_);
+    // The sequence's lengths once a tile: each element's mask.row() would read them again.
+    const index_t qlen = this->query_length(), klen = this->key_length();
     DCMHA_UNROLL
     for (int j = 0; j < kRowTiles; ++j) {
       const FloatPair l = row_pair(sh().lse(), j);
@@ -880,7 +896,7 @@ class KeyGradKernel : BackwardBlock<T, Block> {
         const int r = 8 * j + f.column(i);
         const float lse = i % 2 == 0 ? l.x : l.y;
         const index_t s = s0_ + row0_ + f.row(i);
-        const bool seen = t0 + r < p_.dims.T && mask_.row(b_, t0 + r).contains(s);
+        const bool seen = detail::visible_keys(p_.mask, t0 + r, qlen, klen).contains(s);
         st.c[j][i] = seen && lse > detail::negative_infinity<float>()
                          ? exp(this->scale() * st.c[j][i] - lse)
                          : 0.0f;
@@ -901,8 +917,8 @@ class KeyGradKernel : BackwardBlock<T, Block> {
   /// elements (x the even ones, y the odd ones).
   DCMHA_INLINE FloatPair row_pair(const float* statistic, int j) const {
     const FragmentPlace f(blk_);
-    return blk_.load_shared(
-        reinterpret_cast<const FloatPair*>(statistic + own_ * kStreamRows + 8 * j + f.column(0)));
+    return blk_.load_shared(reinterpret_cast<const FloatPair*>(statistic + own_ * geo_.tile_rows() +
+                                                               8 * j + f.column(0)));
   }
 
   DCMHA_INLINE void store() {
@@ -932,7 +948,7 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     this->store_weight_grads(sh(), s0_, keys_real_, this->key_length());
   }
 
-  BackwardScratch scratch_;
+  const BackwardScratch& scratch_;  // the kernel's parameter: a copy would hold registers
   DCMHA_INLINE BackwardTiles<T, kHeadDim> sh() const { return {geo_, blk_.shared()}; }
   index_t s0_ = 0;
   int keys_real_ = 0, slice_begin_ = 0;

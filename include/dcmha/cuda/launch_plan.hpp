@@ -302,6 +302,7 @@ BackwardLaunch backward_launch(const char* fn, const detail::BackwardParams<T>& 
   BackwardGeometry base;
   base.terms = checked_terms(fn, p.compose);
   base.registers = kTensorCoreType<T> && !base.terms.enabled();
+  base.stream_rows = base.registers ? kFragmentStreamRows : kStreamRows;
   base.D = int(p.dims.D), base.Dv = int(p.dims.Dv);
   base.chunked_q = rows_are_chunked(p.q);
   base.chunked_k = rows_are_chunked(p.k);

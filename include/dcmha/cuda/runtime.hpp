@@ -104,7 +104,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(kMaxThreads, 1)
     query_grad_kernel(const __grid_constant__ detail::BackwardParams<T> p,
-                      const __grid_constant__ BackwardGeometry geo, const BackwardScratch scratch) {
+                      const __grid_constant__ BackwardGeometry geo,
+                      const __grid_constant__ BackwardScratch scratch) {
   const DeviceBlock blk;
   QueryGradKernel<T, kHeadDim, DeviceBlock>(blk, p, geo, scratch).run();
 }
@@ -112,7 +113,8 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
 template <class T, int kHeadDim>
 __global__ void __launch_bounds__(kMaxThreads, 1)
     key_grad_kernel(const __grid_constant__ detail::BackwardParams<T> p,
-                    const __grid_constant__ BackwardGeometry geo, const BackwardScratch scratch) {
+                    const __grid_constant__ BackwardGeometry geo,
+                    const __grid_constant__ BackwardScratch scratch) {
   const DeviceBlock blk;
   KeyGradKernel<T, kHeadDim, DeviceBlock>(blk, p, geo, scratch).run();
 }
