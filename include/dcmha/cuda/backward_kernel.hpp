@@ -33,6 +33,32 @@
 
 namespace dcmha::cuda {
 
+/// Lane `part` of a quad's share of sum over d < width of out[d] dout[d] (rows with a contiguous
+/// head dim): 16-byte loads where both rows allow them, so that a quad reads 64 contiguous bytes
+/// of each per step, else one element at a time.
+template <class T, class Block>
+DCMHA_INLINE float row_dot_part(const Block& blk, const T* out, const T* dout, int width,
+                                int part) {
+  constexpr int kChunk = 16 / int(sizeof(T));
+  struct alignas(16) Chunk {
+    T x[kChunk];
+  };
+  const auto address = [](const T* x) { return reinterpret_cast<std::uintptr_t>(x); };
+  float sum = 0;
+  if (width % kChunk == 0 && (address(out) | address(dout)) % 16 == 0) {
+    for (int c = part; c < width / kChunk; c += 4) {
+      const Chunk o = blk.load_global(reinterpret_cast<const Chunk*>(out) + c);
+      const Chunk g = blk.load_global(reinterpret_cast<const Chunk*>(dout) + c);
+      DCMHA_UNROLL
+      for (int e = 0; e < kChunk; ++e) sum += float(o.x[e]) * float(g.x[e]);
+    }
+    return sum;
+  }
+  for (int d = part; d < width; d += 4)
+    sum += float(blk.load_global(out + d)) * float(blk.load_global(dout + d));
+  return sum;
+}
+
 /// What both sides share: the block's place, its heads, the mask, staging.
 template <class T, class Block>
 class BackwardBlock {
@@ -101,6 +127,46 @@ class BackwardBlock {
             row_dot + j * stride + r,
             real ? blk_.load_global(row_dots + (b_ * p_.dims.H + h) * p_.dims.T + t) : 0.0f);
     });
+  }
+
+  /// The key side's walk: the first query tile (of geo_.tile_rows() rows) at or after `tile`
+  /// whose rows see a key of the block's keys [s0, s0 + keys).
+  DCMHA_INLINE index_t next_query_tile(index_t tile, index_t tiles, index_t s0, int keys) const {
+    const int rows = geo_.tile_rows();
+    for (; tile < tiles; ++tile) {
+      const index_t t0 = tile * rows;
+      const index_t t1 = t0 + rows < p_.dims.T ? t0 + rows : p_.dims.T;
+      const detail::KeyRange r = mask().rows(b_, t0, t1);
+      if (r.begin < s0 + keys && r.end > s0) return tile;
+    }
+    return tiles;
+  }
+
+  /// The key side's Q and dO rows of query tile `tile` into `stage`, one copy group.
+  template <int kHeadDim>
+  DCMHA_INLINE void stage_query_tile(const BackwardTiles<T, kHeadDim>& sh, index_t tile,
+                                     int stage) {
+    const index_t t0 = tile * geo_.tile_rows();
+    const int rows = p_.dims.T - t0 < geo_.tile_rows() ? int(p_.dims.T - t0) : geo_.tile_rows();
+    stage_query_rows(sh.q(stage), p_.q, geo_.D, geo_.chunked_q, t0, rows);
+    stage_query_rows(sh.dout(stage), p_.dout, geo_.Dv, geo_.chunked_dout, t0, rows);
+    blk_.cp_async_commit();
+  }
+
+  /// Element (s, d) of the head's dK (times the scale) and dV, 0 past the key length (`real`
+  /// false): into dk and dv, or with GQA into the per-head scratch.
+  DCMHA_INLINE void store_key_grads(const BackwardScratch& scratch, index_t s, int d, bool real,
+                                    float dk, float dv) const {
+    dk = real ? scale() * dk : 0.0f, dv = real ? dv : 0.0f;
+    if (geo_.dkv_per_head) {
+      const index_t row = (b_ * p_.dims.H + head_) * p_.dims.S + s;
+      if (d < geo_.D) blk_.store_global(scratch.dk + row * geo_.D + d, dk);
+      if (d < geo_.Dv) blk_.store_global(scratch.dv + row * geo_.Dv + d, dv);
+      return;
+    }
+    const index_t kv = head_ / (p_.dims.H / p_.dims.Hk);
+    if (d < geo_.D) blk_.store_global(&p_.dk(b_, kv, s, d), T(dk));
+    if (d < geo_.Dv) blk_.store_global(&p_.dv(b_, kv, s, d), T(dv));
   }
 
   /// What the chain on the block's region reads and writes.
@@ -604,34 +670,11 @@ class QueryGradKernel : BackwardBlock<T, Block> {
       const int r = row0_ + f.row(2 * h);
       const index_t t = t0_ + r;
       const bool real = r < rows_real_ && t < qlen;
-      const float part =
-          real ? row_dot_part(&p_.out(b_, head_, t, 0), &p_.dout(b_, head_, t, 0), f.t) : 0.0f;
+      const float part = real ? row_dot_part(blk_, &p_.out(b_, head_, t, 0),
+                                             &p_.dout(b_, head_, t, 0), geo_.Dv, f.t)
+                              : 0.0f;
       row_dot_[h] = quad_sum(blk_, part);
     }
-  }
-
-  /// Lane `part` of a quad's share of sum over d of out[d] dout[d] (rows with a contiguous head
-  /// dim): 16-byte loads where both rows allow them, so that a quad reads 64 contiguous bytes of
-  /// each per step, else one element at a time.
-  DCMHA_INLINE float row_dot_part(const T* out, const T* dout, int part) const {
-    constexpr int kChunk = 16 / int(sizeof(T));
-    struct alignas(16) Chunk {
-      T x[kChunk];
-    };
-    const auto address = [](const T* x) { return reinterpret_cast<std::uintptr_t>(x); };
-    float sum = 0;
-    if (geo_.Dv % kChunk == 0 && (address(out) | address(dout)) % 16 == 0) {
-      for (int c = part; c < geo_.Dv / kChunk; c += 4) {
-        const Chunk o = blk_.load_global(reinterpret_cast<const Chunk*>(out) + c);
-        const Chunk g = blk_.load_global(reinterpret_cast<const Chunk*>(dout) + c);
-        DCMHA_UNROLL
-        for (int e = 0; e < kChunk; ++e) sum += float(o.x[e]) * float(g.x[e]);
-      }
-      return sum;
-    }
-    for (int d = part; d < geo_.Dv; d += 4)
-      sum += float(blk_.load_global(out + d)) * float(blk_.load_global(dout + d));
-    return sum;
   }
 
   /// The rows' D into shared memory (the chain reads every head's, after the cluster barrier that
@@ -779,15 +822,15 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     HeldKeyRows held;
     const index_t tiles = (p_.dims.T + kRows - 1) / kRows;
     int stage = 0;
-    index_t next = next_tile(0, tiles);
-    if (next < tiles) stage_tile(next, 0);
+    index_t next = this->next_query_tile(0, tiles, s0_, keys_real_);
+    if (next < tiles) this->stage_query_tile(sh(), next, 0);
     for (index_t tile = next; tile < tiles; tile = next, stage ^= 1) {
-      next = next_tile(tile + 1, tiles);
+      next = this->next_query_tile(tile + 1, tiles, s0_, keys_real_);
       blk_.template cp_async_wait<0>();
       blk_.sync();
       if constexpr (kHeld)
         if (!held.loaded) this->hold_pair(key_rows(), held);  // landed with the first query tile
-      if (next < tiles) stage_tile(next, stage ^ 1);
+      if (next < tiles) this->stage_query_tile(sh(), next, stage ^ 1);
       rows_step<kRegisters, kHeld>(tile * kRows, stage, held);
     }
     store();
@@ -811,28 +854,9 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     this->zero_weight_grads(sh());
   }
 
-  /// The first query tile at or after `tile` whose rows see a key of the block.
-  DCMHA_INLINE index_t next_tile(index_t tile, index_t tiles) const {
-    for (; tile < tiles; ++tile) {
-      const index_t t0 = tile * geo_.tile_rows();
-      const index_t t1 = t0 + geo_.tile_rows() < p_.dims.T ? t0 + geo_.tile_rows() : p_.dims.T;
-      const detail::KeyRange r = mask().rows(b_, t0, t1);
-      if (r.begin < s0_ + keys_real_ && r.end > s0_) return tile;
-    }
-    return tiles;
-  }
-
   /// The warp's K and V rows in shared memory.
   DCMHA_INLINE OperandPair key_rows() const {
     return {sh().k(0).head(kv_slot_), sh().v(0).head(kv_slot_)};
-  }
-
-  DCMHA_INLINE void stage_tile(index_t tile, int stage) {
-    const index_t t0 = tile * geo_.tile_rows();
-    const int rows = p_.dims.T - t0 < geo_.tile_rows() ? int(p_.dims.T - t0) : geo_.tile_rows();
-    this->stage_query_rows(sh().q(stage), p_.q, geo_.D, geo_.chunked_q, t0, rows);
-    this->stage_query_rows(sh().dout(stage), p_.dout, geo_.Dv, geo_.chunked_dout, t0, rows);
-    blk_.cp_async_commit();
   }
 
   /// The query tile at t0: S^T = scale K Q^T and dP'^T = V dO^T of the warp's head and keys,
@@ -924,26 +948,13 @@ class KeyGradKernel : BackwardBlock<T, Block> {
   DCMHA_INLINE void store() {
     const FragmentPlace f(blk_);
     const index_t klen = this->key_length();
-    const index_t kv = head_ / (p_.dims.H / p_.dims.Hk);
     DCMHA_UNROLL
     for (int j = 0; j < kDimTiles; ++j) DCMHA_UNROLL
     for (int i = 0; i < 4; ++i) {
       const int r = row0_ + f.row(i), d = 8 * j + f.column(i);
       if (r >= keys_real_) continue;
       const index_t s = s0_ + r;
-      const bool real = s < klen;
-      const float dk = real ? this->scale() * dk_.c[j][i] : 0.0f, dv = real ? dv_.c[j][i] : 0.0f;
-      if (geo_.dkv_per_head) {
-        if (d < geo_.D)
-          blk_.store_global(scratch_.dk + ((b_ * p_.dims.H + head_) * p_.dims.S + s) * geo_.D + d,
-                            dk);
-        if (d < geo_.Dv)
-          blk_.store_global(scratch_.dv + ((b_ * p_.dims.H + head_) * p_.dims.S + s) * geo_.Dv + d,
-                            dv);
-      } else {
-        if (d < geo_.D) blk_.store_global(&p_.dk(b_, kv, s, d), T(dk));
-        if (d < geo_.Dv) blk_.store_global(&p_.dv(b_, kv, s, d), T(dv));
-      }
+      this->store_key_grads(scratch_, s, d, s < klen, dk_.c[j][i], dv_.c[j][i]);
     }
     this->store_weight_grads(sh(), s0_, keys_real_, this->key_length());
   }

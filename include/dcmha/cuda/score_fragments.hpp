@@ -41,6 +41,21 @@ DCMHA_INLINE void store_fragments_transposed(const Block& blk, const Accumulator
     blk.store_shared(tile.at(row0 + 8 * j + f.column(i), key0 + f.row(i)), scale * acc.c[j][i]);
 }
 
+/// tile(row0 + r, col0 + c) = acc(r, c) rounded to T: a block the tensor cores take next as an
+/// operand (MHA's one-pass backward: P and dS). A lane's two columns share a chunk, one 32-bit
+/// store; the 8 rows of a phase fall in different banks by the tile's swizzle.
+template <int kTiles, class Block, class T>
+DCMHA_INLINE void store_operand_fragments(const Block& blk, const Accumulators<kTiles>& acc,
+                                          const OperandTile<T>& tile, int row0, int col0) {
+  const FragmentPlace f(blk);
+  DCMHA_UNROLL
+  for (int j = 0; j < kTiles; ++j) DCMHA_UNROLL
+  for (int half = 0; half < 2; ++half)
+    blk.store_shared(
+        reinterpret_cast<std::uint32_t*>(tile.at(row0 + f.row(2 * half), col0 + 8 * j + 2 * f.t)),
+        pack_pair<T>(acc.c[j][2 * half], acc.c[j][2 * half + 1]));
+}
+
 /// acc(r, c) = tile(row0 + r, col0 + c).
 template <int kTiles, class Block>
 DCMHA_INLINE void load_fragments(const Block& blk, const ScoreTile& tile, int row0, int col0,

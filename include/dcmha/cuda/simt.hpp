@@ -9,7 +9,8 @@
 //                barrier.cluster arrive.release + wait.acquire)
 //   shared       shared() (dynamic shared memory), peer_shared(p, rank) (the same offset in
 //                cluster block `rank`'s shared memory), load_shared / store_shared
-//   global       load_global / store_global
+//   global       load_global / store_global, atomic_add_global (float, red.global.add: the
+//                one unordered sum, MHA's dQ when a call allows it)
 //   warp         shfl_xor, ldmatrix_x4 / _x2 (and .trans), mma_bf16 / mma_f16
 //                (mma.sync.m16n8k16, f32 accumulators, d += a b)
 //   async        cp_async_16 (cp.async.cg, 16 bytes, zeros where not valid), cp_async_commit,
@@ -120,6 +121,7 @@ struct DeviceBlock {
   __device__ void store_global(U* p, const U& v) const {
     *p = v;
   }
+  __device__ void atomic_add_global(float* p, float v) const { atomicAdd(p, v); }
   __device__ void count_fma(index_t) const {}
   __device__ void count_exp(index_t) const {}
 

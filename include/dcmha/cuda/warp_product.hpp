@@ -179,32 +179,98 @@ DCMHA_INLINE void product_held_rows(const Block& blk, const HeldRows<kDepth>& a,
     if (16 * k < depth) product_detail::rows_step<1>(blk, a.fragments[k], b, b0, 16 * k, &acc);
 }
 
-/// acc += a(a0 + m, k) b(b_k0 + k, b_n0 + n) over k < depth (a multiple of 16).
-template <int kTiles, class Block, class T>
-DCMHA_INLINE void product_rows_cols(const Block& blk, const OperandTile<T>& a, int a0,
-                                    const OperandTile<T>& b, int b_k0, int b_n0, int depth,
-                                    Accumulators<kTiles>& acc) {
+namespace product_detail {
+
+/// acc[m] += a(a0 + 16 m + r, k) b(b_k0 + k, b_n0 + n): kRowTiles 16-row blocks of A sharing
+/// each B fragment (product_rows_cols).
+template <int kRowTiles, int kTiles, class Block, class T>
+DCMHA_INLINE void rows_cols(const Block& blk, const OperandTile<T>& a, int a0,
+                            const OperandTile<T>& b, int b_k0, int b_n0, int depth,
+                            Accumulators<kTiles>* acc) {
   const int l = unhoisted_lane_of(blk);
   if constexpr (kTensorCoreType<T>) {
     static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
     for (int k0 = 0; k0 < depth; k0 += 16) {
-      std::uint32_t af[4];
-      blk.ldmatrix_x4(af, a.chunk(a0 + l % 16, k0 / 8 + l / 16));
+      std::uint32_t af[kRowTiles][4];
+      DCMHA_UNROLL
+      for (int m = 0; m < kRowTiles; ++m)
+        blk.ldmatrix_x4(af[m], a.chunk(a0 + 16 * m + l % 16, k0 / 8 + l / 16));
       DCMHA_UNROLL
       for (int j = 0; j < kTiles; j += 2) {
         std::uint32_t bf[4];
         blk.ldmatrix_x4_trans(
             bf, b.chunk(b_k0 + k0 + l % 8 + 8 * ((l / 8) % 2), b_n0 / 8 + j + l / 16));
         const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
-        product_detail::mma<T>(blk, acc.c[j], af, b_lo);
-        product_detail::mma<T>(blk, acc.c[j + 1], af, b_hi);
+        DCMHA_UNROLL
+        for (int m = 0; m < kRowTiles; ++m) {
+          mma<T>(blk, acc[m].c[j], af[m], b_lo);
+          mma<T>(blk, acc[m].c[j + 1], af[m], b_hi);
+        }
       }
     }
   } else {
-    product_detail::scalar_product(
-        blk, acc, depth, [&](int m, int k) { return blk.load_shared(a.at(a0 + m, k)); },
-        [&](int k, int n) { return blk.load_shared(b.at(b_k0 + k, b_n0 + n)); });
+    DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m)
+      scalar_product(
+          blk, acc[m], depth,
+          [&](int r, int k) { return blk.load_shared(a.at(a0 + 16 * m + r, k)); },
+          [&](int k, int n) { return blk.load_shared(b.at(b_k0 + k, b_n0 + n)); });
   }
+}
+
+/// acc[m] += a(k, a_m0 + 16 m + r) b(k, b_n0 + n): kRowTiles 16-column blocks of A sharing each
+/// B fragment (product_cols_cols).
+template <int kRowTiles, int kTiles, class Block, class T>
+DCMHA_INLINE void cols_cols(const Block& blk, const OperandTile<T>& a, int a_m0,
+                            const OperandTile<T>& b, int b_n0, int depth,
+                            Accumulators<kTiles>* acc) {
+  const int l = unhoisted_lane_of(blk);
+  if constexpr (kTensorCoreType<T>) {
+    static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
+    for (int k0 = 0; k0 < depth; k0 += 16) {
+      std::uint32_t af[kRowTiles][4];
+      DCMHA_UNROLL
+      for (int m = 0; m < kRowTiles; ++m)
+        blk.ldmatrix_x4_trans(af[m],
+                              a.chunk(k0 + l % 8 + 8 * (l / 16), a_m0 / 8 + 2 * m + (l / 8) % 2));
+      DCMHA_UNROLL
+      for (int j = 0; j < kTiles; j += 2) {
+        std::uint32_t bf[4];
+        blk.ldmatrix_x4_trans(bf, b.chunk(k0 + l % 8 + 8 * ((l / 8) % 2), b_n0 / 8 + j + l / 16));
+        const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
+        DCMHA_UNROLL
+        for (int m = 0; m < kRowTiles; ++m) {
+          mma<T>(blk, acc[m].c[j], af[m], b_lo);
+          mma<T>(blk, acc[m].c[j + 1], af[m], b_hi);
+        }
+      }
+    }
+  } else {
+    DCMHA_UNROLL
+    for (int m = 0; m < kRowTiles; ++m)
+      scalar_product(
+          blk, acc[m], depth,
+          [&](int r, int k) { return blk.load_shared(a.at(k, a_m0 + 16 * m + r)); },
+          [&](int k, int n) { return blk.load_shared(b.at(k, b_n0 + n)); });
+  }
+}
+
+}  // namespace product_detail
+
+/// acc += a(a0 + m, k) b(b_k0 + k, b_n0 + n) over k < depth (a multiple of 16).
+template <int kTiles, class Block, class T>
+DCMHA_INLINE void product_rows_cols(const Block& blk, const OperandTile<T>& a, int a0,
+                                    const OperandTile<T>& b, int b_k0, int b_n0, int depth,
+                                    Accumulators<kTiles>& acc) {
+  product_detail::rows_cols<1>(blk, a, a0, b, b_k0, b_n0, depth, &acc);
+}
+
+/// The same for kRowTiles consecutive 16-row blocks of A: acc[m] takes rows a0 + 16 m.
+template <int kTiles, int kRowTiles, class Block, class T>
+DCMHA_INLINE void product_rows_cols(const Block& blk, const OperandTile<T>& a, int a0,
+                                    const OperandTile<T>& b, int b_k0, int b_n0, int depth,
+                                    Accumulators<kTiles> (&acc)[kRowTiles]) {
+  product_detail::rows_cols<kRowTiles>(blk, a, a0, b, b_k0, b_n0, depth, acc);
 }
 
 /// acc += a(k, a_m0 + m) b(k, b_n0 + n) over k < depth (a multiple of 16), both tiles holding k
@@ -213,26 +279,15 @@ template <int kTiles, class Block, class T>
 DCMHA_INLINE void product_cols_cols(const Block& blk, const OperandTile<T>& a, int a_m0,
                                     const OperandTile<T>& b, int b_n0, int depth,
                                     Accumulators<kTiles>& acc) {
-  const int l = unhoisted_lane_of(blk);
-  if constexpr (kTensorCoreType<T>) {
-    static_assert(kTiles % 2 == 0, "B fragments are loaded two n8 tiles at a time");
-    for (int k0 = 0; k0 < depth; k0 += 16) {
-      std::uint32_t af[4];
-      blk.ldmatrix_x4_trans(af, a.chunk(k0 + l % 8 + 8 * (l / 16), a_m0 / 8 + (l / 8) % 2));
-      DCMHA_UNROLL
-      for (int j = 0; j < kTiles; j += 2) {
-        std::uint32_t bf[4];
-        blk.ldmatrix_x4_trans(bf, b.chunk(k0 + l % 8 + 8 * ((l / 8) % 2), b_n0 / 8 + j + l / 16));
-        const std::uint32_t b_lo[2] = {bf[0], bf[1]}, b_hi[2] = {bf[2], bf[3]};
-        product_detail::mma<T>(blk, acc.c[j], af, b_lo);
-        product_detail::mma<T>(blk, acc.c[j + 1], af, b_hi);
-      }
-    }
-  } else {
-    product_detail::scalar_product(
-        blk, acc, depth, [&](int m, int k) { return blk.load_shared(a.at(k, a_m0 + m)); },
-        [&](int k, int n) { return blk.load_shared(b.at(k, b_n0 + n)); });
-  }
+  product_detail::cols_cols<1>(blk, a, a_m0, b, b_n0, depth, &acc);
+}
+
+/// The same for kRowTiles consecutive 16-column blocks of A: acc[m] takes columns a_m0 + 16 m.
+template <int kTiles, int kRowTiles, class Block, class T>
+DCMHA_INLINE void product_cols_cols(const Block& blk, const OperandTile<T>& a, int a_m0,
+                                    const OperandTile<T>& b, int b_n0, int depth,
+                                    Accumulators<kTiles> (&acc)[kRowTiles]) {
+  product_detail::cols_cols<kRowTiles>(blk, a, a_m0, b, b_n0, depth, acc);
 }
 
 /// Two values the way a fragment holds them in one 32-bit register: the first in the low half.

@@ -222,6 +222,9 @@ class HostBlock {
   U load_global(const U* p, Site site = Site::here()) const;
   template <class U>
   void store_global(U* p, const U& v, Site site = Site::here()) const;
+  /// The device's atomicAdd: the lanes run one at a time, so a read and a write (counted as one
+  /// store: a reduction in L2).
+  void atomic_add_global(float* p, float v, Site site = Site::here()) const;
 
   void count_fma(index_t n) const;
   void count_exp(index_t n) const;
@@ -796,6 +799,13 @@ void HostBlock::store_global(U* p, const U& v, Site site) const {
     run_->lane(lane_).log.push_back(
         {p, std::uint32_t(sizeof(U)), false, true, false, site.file, site.line});
   std::memcpy(p, &v, sizeof(U));
+}
+
+inline void HostBlock::atomic_add_global(float* p, float v, Site site) const {
+  if (Counting::enabled())
+    run_->lane(lane_).log.push_back(
+        {p, std::uint32_t(sizeof(float)), false, true, false, site.file, site.line});
+  *p += v;
 }
 
 inline void HostBlock::count_fma(index_t n) const {
