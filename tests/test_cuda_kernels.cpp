@@ -237,6 +237,41 @@ TEST(CudaKernelsEmulated, BackwardReadsTheGivenOutput) {
   expect_row_dots_from_the_output<float>(dcmha::test::with_launch(s), 96);
 }
 
+LaunchOptions unordered() {
+  LaunchOptions o;
+  o.deterministic = false;
+  return o;
+}
+
+TEST(CudaKernelsEmulated, MhaBackwardInOnePass) {
+  // deterministic = false: MHA in bf16 and fp16, given the output, runs in one pass (blocks of
+  // 128 keys over 64-row query tiles, dQ summed atomically): several key blocks and query tiles,
+  // GQA and groups, windows, per-sequence lengths, S != T, every head-dim class up to 128 (the
+  // dQ warps' two layouts), strided views.
+  ProblemSpec s = tiled_spec();
+  s.pre = s.post = SideSpec::none();
+  s.D = 16, s.Dv = 24, s.T = 150, s.S = 140;
+  uint64_t seed = 140;
+  check_case<bf16>(dcmha::test::with_launch(s, unordered()), seed++);
+  check_case<half>(dcmha::test::with_launch(s, unordered()), seed++);
+  check_case<bf16>(dcmha::test::with_launch(s, unordered()), seed++, dcmha::test::Layout::bthd);
+  s.window = 37;
+  check_case<half>(dcmha::test::with_launch(s, unordered()), seed++);
+  s.window = 0, s.causal = false, s.T = 70, s.S = 260;
+  Case c = dcmha::test::with_launch(s, unordered());
+  c.spec.B = 3;
+  c.query_lengths = {70, 17, 0};
+  c.key_lengths = {260, 131, 3};
+  check_case<bf16>(c, seed++);
+  s.causal = true, s.B = 1, s.T = 80, s.S = 70;
+  for (int64_t d : {64, 96, 128}) {
+    s.D = s.Dv = d;
+    check_case<bf16>(dcmha::test::with_launch(s, unordered()), seed++);
+  }
+  s.D = 80, s.Dv = 72;
+  check_case<half>(dcmha::test::with_launch(s, unordered()), seed++);
+}
+
 TEST(CudaKernelsEmulated, MasksAndWindows) {
   ProblemSpec s = tiled_spec();
   struct Mask {
@@ -457,6 +492,43 @@ TEST(CudaKernelsEmulated, LaunchPlans) {
         }
     }
   EXPECT_EQ(official.geo.compose_parts, 4);
+}
+
+TEST(CudaKernelsEmulated, OnePassPlans) {
+  // MHA's one-pass backward: only where the call allows an unordered dQ (deterministic false),
+  // the tensor cores take the storage type, the forward's output is given, there is no compose
+  // term and the head dim is at most 128; then a block per (128 keys, head, sequence).
+  static const bf16 given_output{};
+  dcmha::detail::BackwardParams<bf16> b;
+  b.dims = {4, 32, 32, 4096, 4096, 128, 128, 32, 1};
+  b.out.data = &given_output;
+  LaunchOptions unordered;
+  unordered.deterministic = false;
+  const dcmha::cuda::BackwardLaunch l = dcmha::cuda::backward_launch("plan", b, unordered);
+  ASSERT_TRUE(l.one_pass);
+  EXPECT_EQ(l.key.rows, dcmha::cuda::kOnePassKeys);
+  EXPECT_EQ(l.key.stream_rows, dcmha::cuda::kOnePassRows);
+  EXPECT_EQ(l.key_blocks.shape.x, 4096 / 128);
+  EXPECT_EQ(l.key_blocks.shape.y, 32);
+  EXPECT_EQ(l.key_blocks.shape.z, 4);
+  EXPECT_EQ(l.key_blocks.shape.threads, 256);
+  EXPECT_LE(l.key_blocks.shared_bytes(), dcmha::cuda::DeviceLimits::sm90().shared_bytes);
+  EXPECT_EQ(l.row_passes.shape.x, 4 * 32 * 4096 / dcmha::cuda::kRowPassRows);
+  EXPECT_EQ(dcmha::cuda::backward_scratch_sizes(b.dims, l).dq_sum, index_t(4) * 32 * 4096 * 128);
+  EXPECT_FALSE(dcmha::cuda::backward_launch("plan", b).one_pass);  // deterministic by default
+  auto without = [&](auto&& change) {
+    dcmha::detail::BackwardParams<bf16> c = b;
+    change(c);
+    return dcmha::cuda::backward_launch("plan", c, unordered).one_pass;
+  };
+  EXPECT_FALSE(without([](auto& c) { c.out.data = nullptr; }));
+  EXPECT_FALSE(without([](auto& c) { c.dims.D = c.dims.Dv = 256; }));
+  EXPECT_FALSE(without([](auto& c) { c.compose.pre.query_wise = true; }));
+  dcmha::detail::BackwardParams<float> f;
+  f.dims = b.dims;
+  static const float given_float_output = 0;
+  f.out.data = &given_float_output;
+  EXPECT_FALSE(dcmha::cuda::backward_launch("plan", f, unordered).one_pass);
 }
 
 TEST(CudaKernelsEmulated, DecodeStepsAreTheForwardRows) {

@@ -202,6 +202,29 @@ TEST(CudaGpu, TensorCoresAgainstTheCpuAndTheReference) {
     }
 }
 
+TEST(CudaGpu, MhaBackwardInOnePass) {
+  // deterministic = false: MHA's backward in one pass, dQ summed atomically on the device, at
+  // the checkpoints' head dims, with GQA, windows and per-sequence lengths.
+  dcmha::cuda::LaunchOptions unordered;
+  unordered.deterministic = false;
+  ProblemSpec s = tiled_spec();
+  s.T = 150, s.S = 170, s.pre = s.post = SideSpec::none();
+  uint64_t seed = 80;
+  for (int64_t d : {64, 80, 128}) {
+    s.D = s.Dv = d;
+    check_against_reference<dcmha::bf16>(with_launch(s, unordered), seed++, kBf16);
+    check_against_reference<dcmha::half>(with_launch(s, unordered), seed++, kHalf);
+    check_against_cpu(with_launch(s, unordered), seed++, kBf16);
+  }
+  s.causal = false, s.window = 37;
+  check_against_reference<dcmha::bf16>(with_launch(s, unordered), seed++, kBf16);
+  Case c = with_launch(s, unordered);
+  c.spec.B = 3;
+  c.query_lengths = {150, 20, 0};
+  c.key_lengths = {170, 131, 3};
+  check_against_reference<dcmha::half>(c, seed++, kHalf);
+}
+
 TEST(CudaGpu, MasksWindowsLengthsAndLongerRows) {
   ProblemSpec s = tiled_spec();
   s.T = 150, s.S = 170, s.D = 32, s.Dv = 24;
@@ -294,12 +317,17 @@ TEST(CudaGpu, SmallCaseForTheSanitizersFloat) {
 }
 
 TEST(CudaGpu, SmallCaseForTheSanitizersTensorCores) {
-  // The same for bf16 on the tensor cores: MHA in fragments, and DCMHA through the compose.
+  // The same for bf16 on the tensor cores: MHA in fragments, DCMHA through the compose, and
+  // MHA's one-pass backward.
   ProblemSpec s = tiled_spec();
   s.D = s.Dv = 64, s.pre = s.post = SideSpec::none();
   check_against_reference<dcmha::bf16>(with_launch(s), 72, kBf16);
   s.pre = s.post = SideSpec::dynamic();
   check_against_reference<dcmha::bf16>(with_launch(s, dcmha::test::tiles(0, 2)), 73, kBf16);
+  dcmha::cuda::LaunchOptions unordered;  // MHA's one-pass backward and its atomic dQ
+  unordered.deterministic = false;
+  s.pre = s.post = SideSpec::none();
+  check_against_reference<dcmha::bf16>(with_launch(s, unordered), 74, kBf16);
 }
 
 TEST(CudaGpu, DecodeStepsAreTheForwardRows) {

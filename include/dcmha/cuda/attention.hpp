@@ -113,11 +113,17 @@ void run_forward_kernels(const char* fn, const detail::ForwardParams<T>& p, cons
   });
 }
 
-/// The backward's query-side and key-side kernels of one head-dim class.
+/// The backward's query-side and key-side kernels of one head-dim class, or its one pass.
 template <class T, int kHeadDim>
 void run_backward_kernels(const char* fn, const detail::BackwardParams<T>& p,
                           const BackwardLaunch& l, const BackwardScratch& scratch,
                           cudaStream_t stream) {
+  if constexpr (kOnePassHeadDim<T, kHeadDim>) {
+    if (l.one_pass) {
+      launch(fn, mha_backward_kernel<T, kHeadDim>, l.key_blocks, stream, p, l.key, scratch);
+      return;
+    }
+  }
   launch(fn, query_grad_kernel<T, kHeadDim>, l.query_blocks, stream, p, l.query, scratch);
   launch(fn, key_grad_kernel<T, kHeadDim>, l.key_blocks, stream, p, l.key, scratch);
 }
@@ -141,7 +147,8 @@ void launch_forward(const char* fn, detail::ForwardParams<T> p, DeviceWorkspace&
   });
 }
 
-/// cpu::backward's twin: the query side, the key side, then the sums, in one stream.
+/// cpu::backward's twin: the query side, the key side, then the sums, in one stream (or the
+/// row dots, the one pass and dQ).
 template <class T>
 void launch_backward(const char* fn, detail::BackwardParams<T> p, DeviceWorkspace& ws,
                      cudaStream_t stream, const LaunchOptions& opt) {
@@ -155,10 +162,12 @@ void launch_backward(const char* fn, detail::BackwardParams<T> p, DeviceWorkspac
     check(
         fn, "cudaMemsetAsync",
         cudaMemsetAsync(scratch.static_partials, 0, sizes.static_partials * sizeof(float), stream));
+  if (l.one_pass) launch(fn, row_dots_kernel<T>, l.row_passes, stream, p, scratch);
   dispatch_head_dim(l.head_dim, [&](auto head_dim) {
     run_backward_kernels<T, decltype(head_dim)::value>(fn, p, l, scratch, stream);
     return 0;
   });
+  if (l.one_pass) launch(fn, query_grads_kernel<T>, l.row_passes, stream, p, scratch);
   if (sizes.static_partials > 0)
     launch(fn, static_grad_kernel<T>, l.static_sums, stream, p, l.query.rows, scratch);
   if (l.key.dkv_per_head) launch(fn, head_grad_kernel<T>, l.head_sums, stream, p, scratch);

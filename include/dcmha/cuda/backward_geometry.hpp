@@ -62,10 +62,18 @@ constexpr int kStreamRows = 16;
 /// The same for MHA in fragments: each warp's K and V fragments (read from shared memory at head
 /// dim 128, where they are not held) then serve 32 query rows instead of 16.
 constexpr int kFragmentStreamRows = 32;
+/// MHA's one-pass backward (mha_backward_kernel.hpp): blocks of 128 keys (8 warps) over query
+/// tiles of 64 rows, so that each warp's products are 32 x 32 blocks, as FlashAttention-2's.
+constexpr int kOnePassKeys = 128;
+constexpr int kOnePassRows = 64;
+/// Rows of its row passes (the row dots before it, dQ after it) per block: a quad of lanes a row.
+constexpr int kRowPassRows = 64;
 
 struct BackwardGeometry {
   bool registers = true;  // MHA on the tensor cores: scores, P, dP and dS stay in fragments
   bool key_side = false;
+  // MHA's one-pass backward: the key side also adds dQ atomically; P and dS cross shared memory.
+  bool one_pass = false;
   int M = 1, cluster = 1, own_heads = 1, kv_slots = 1;
   int rows = 16;  // resident rows (query side) or keys (key side) per block, a multiple of 16
   int stream_rows = kStreamRows;  // key side: query rows per streamed tile
@@ -113,8 +121,10 @@ struct BackwardGeometry {
     l.upstream = ScoreTiles::carve(c, heads, tile_rows(), tile_keys());
     l.probs = ScoreTiles::carve(c, heads, tile_rows(), tile_keys());
     l.softmax_grad = ScoreTiles::carve(c, heads, tile_rows(), tile_keys());
-    l.dscores = OperandTiles<T>::carve(c, heads, tile_rows(), tile_keys());
-    l.values_probs = OperandTiles<T>::carve(c, key_side ? heads : 0, tile_rows(), tile_keys());
+    const int operand_heads = one_pass ? own_heads : heads;
+    l.dscores = OperandTiles<T>::carve(c, operand_heads, tile_rows(), tile_keys());
+    l.values_probs =
+        OperandTiles<T>::carve(c, key_side ? operand_heads : 0, tile_rows(), tile_keys());
     l.lse = c.take<float>(index_t(own_heads) * tile_rows());
     l.row_dot = c.take<float>(index_t(own_heads) * tile_rows());
     l.sums = ChainSums::carve(c, int(terms.largest_rank()), registers ? 0 : sum_rows(), sum_keys());
@@ -177,6 +187,7 @@ struct BackwardScratch {
   float* static_partials = nullptr;  // [query block][side][M][M]
   float* dk = nullptr;               // with dkv_per_head: (B, H, S, D) per query head
   float* dv = nullptr;               // (B, H, S, Dv)
+  float* dq_sum = nullptr;           // one pass: dQ / scale (B, H, T, D), added to atomically
 };
 
 }  // namespace dcmha::cuda

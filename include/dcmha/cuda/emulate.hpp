@@ -3,12 +3,15 @@
 // entry points' call shape: what the tests check against the reference on machines without a
 // GPU. Memory is host memory; LaunchOptions choose tiles, clusters, splits and the device limits
 // the plan assumes (an sm_90 by default).
+#include <algorithm>
+#include <limits>
 #include <memory>
 #include <vector>
 
 #include "../decode/decode_params.hpp"
 #include "../detail/validate.hpp"
 #include "backward_kernel.hpp"
+#include "mha_backward_kernel.hpp"
 #include "forward_kernel.hpp"
 #include "launch_plan.hpp"
 
@@ -72,13 +75,10 @@ void forward(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<co
   run_forward(p, forward_launch(fn, p, opt));
 }
 
-/// The backward's launches (launch_backward's twin, on host memory).
+/// The backward's query side and key side.
 template <class T>
-void run_backward(const detail::BackwardParams<T>& p, const BackwardLaunch& l) {
-  const BackwardScratchSizes sizes = backward_scratch_sizes(p.dims, l);
-  std::vector<float> storage;
-  const BackwardScratch scratch =
-      carve_scratch(scratch_as_on_device(storage, sizes.total()), sizes);
+void run_two_sides(const detail::BackwardParams<T>& p, const BackwardLaunch& l,
+                   const BackwardScratch& scratch) {
   dispatch_head_dim(l.head_dim, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
     emulator::launch("backward_query", l.query_blocks.shape, [&](const HostBlock& blk) {
@@ -89,6 +89,40 @@ void run_backward(const detail::BackwardParams<T>& p, const BackwardLaunch& l) {
     });
     return 0;
   });
+}
+
+/// MHA's one-pass backward: the row dots, the pass, dQ.
+template <class T>
+void run_one_pass(const detail::BackwardParams<T>& p, const BackwardLaunch& l,
+                  const BackwardScratch& scratch) {
+  emulator::launch("backward_row_dots", l.row_passes.shape,
+                   [&](const HostBlock& blk) { sum_row_dots(blk, p, scratch); });
+  dispatch_head_dim(l.head_dim, [&](auto head_dim) {
+    constexpr int kHeadDim = decltype(head_dim)::value;
+    if constexpr (kOnePassHeadDim<T, kHeadDim>)
+      emulator::launch("backward_one_pass", l.key_blocks.shape, [&](const HostBlock& blk) {
+        MhaBackwardKernel<T, kHeadDim, HostBlock>(blk, p, l.key, scratch).run();
+      });
+    return 0;
+  });
+  emulator::launch("backward_query_grads", l.row_passes.shape,
+                   [&](const HostBlock& blk) { store_query_grads(blk, p, scratch); });
+}
+
+/// The backward's launches (launch_backward's twin, on host memory).
+template <class T>
+void run_backward(const detail::BackwardParams<T>& p, const BackwardLaunch& l) {
+  const BackwardScratchSizes sizes = backward_scratch_sizes(p.dims, l);
+  std::vector<float> storage;
+  const BackwardScratch scratch =
+      carve_scratch(scratch_as_on_device(storage, sizes.total()), sizes);
+  // dQ's sums start as whatever a reused workspace holds: the row-dots pass must zero them.
+  std::fill(scratch.dq_sum, scratch.dq_sum + sizes.dq_sum, std::numeric_limits<float>::quiet_NaN());
+  if (l.one_pass) {
+    run_one_pass(p, l, scratch);
+  } else {
+    run_two_sides(p, l, scratch);
+  }
   if (sizes.static_partials > 0)
     emulator::launch("sum_static_grads", l.static_sums.shape, [&](const HostBlock& blk) {
       sum_static_grads(blk, p, l.query.rows, scratch);

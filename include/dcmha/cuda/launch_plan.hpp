@@ -43,6 +43,10 @@ struct LaunchOptions {
   index_t key_splits = 0;  // forward: blocks that share a query tile's keys (1: no split)
   DeviceLimits device;     // what the plan may use (an sm_90 unless device_given)
   bool device_given = false;  // on a GPU, false: the current device's limits
+  // Backward: false lets MHA in bf16 or fp16 (head dim up to 128, given the forward's output) run
+  // in one pass that sums dQ atomically, as FlashAttention-2 does: faster, but dQ's last bits
+  // vary from run to run. rows, key_rows and cluster do not apply to that pass.
+  bool deterministic = true;
 };
 
 /// Warps per block at most: each thread may then keep up to 255 registers (runtime.hpp's
@@ -257,16 +261,18 @@ ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
 /// A backward: the query side's launch, the key side's, and the sums after them.
 struct BackwardLaunch {
   int head_dim = 128;
+  bool one_pass = false;  // MHA in one pass (mha_backward_kernel.hpp): `key` is its geometry
   BackwardGeometry query, key;
   KernelLaunch query_blocks, key_blocks;
+  KernelLaunch row_passes;   // one pass: the row dots before it, dQ after it
   KernelLaunch static_sums;  // one block per (side, group), where a side has a static W
   KernelLaunch head_sums;    // one block per (kv head, sequence), with GQA
 };
 
 /// Elements of each backward scratch array (floats).
 struct BackwardScratchSizes {
-  index_t row_dot = 0, static_partials = 0, dk = 0, dv = 0;
-  index_t total() const { return row_dot + static_partials + dk + dv; }
+  index_t row_dot = 0, static_partials = 0, dk = 0, dv = 0, dq_sum = 0;
+  index_t total() const { return row_dot + static_partials + dk + dv + dq_sum; }
 };
 
 inline BackwardScratchSizes backward_scratch_sizes(const detail::AttentionDims& d,
@@ -280,6 +286,7 @@ inline BackwardScratchSizes backward_scratch_sizes(const detail::AttentionDims& 
     s.dk = d.B * d.H * d.S * d.D;
     s.dv = d.B * d.H * d.S * d.Dv;
   }
+  if (l.one_pass) s.dq_sum = d.B * d.H * d.T * d.D;
   return s;
 }
 
@@ -290,7 +297,37 @@ inline BackwardScratch carve_scratch(float* base, const BackwardScratchSizes& s)
   scratch.static_partials = base + s.row_dot;
   scratch.dk = scratch.static_partials + s.static_partials;
   scratch.dv = scratch.dk + s.dk;
+  scratch.dq_sum = scratch.dv + s.dv;
   return scratch;
+}
+
+/// MHA's one-pass backward where the call allows it and it fits: `l.key` its geometry,
+/// `l.key_blocks` a block per (128 keys, head, sequence), `l.row_passes` a block per 64 rows.
+template <class T>
+void plan_one_pass(const detail::BackwardParams<T>& p, const BackwardGeometry& base,
+                   const LaunchOptions& opt, BackwardLaunch& l) {
+  if (!kTensorCoreType<T> || opt.deterministic || !base.registers || p.out.data == nullptr ||
+      l.head_dim > 128)
+    return;
+  BackwardGeometry g = base;
+  g.one_pass = g.key_side = true;
+  g.M = g.cluster = g.own_heads = g.kv_slots = 1;  // a block per head: groups do not mix them
+  g.rows = kOnePassKeys, g.stream_rows = kOnePassRows, g.warps = kOnePassKeys / 16;
+  dispatch_head_dim(l.head_dim, [&](auto head_dim) {
+    g.template lay_out<T, decltype(head_dim)::value>();
+    return 0;
+  });
+  if (g.shared_bytes > opt.device.shared_bytes) return;
+  l.one_pass = true;
+  l.key = g;
+  l.key_blocks.shape = {(p.dims.S + kOnePassKeys - 1) / kOnePassKeys,
+                        p.dims.H,
+                        p.dims.B,
+                        g.threads(),
+                        std::size_t(g.shared_bytes),
+                        1};
+  l.row_passes.shape.x = (p.dims.B * p.dims.H * p.dims.T + kRowPassRows - 1) / kRowPassRows;
+  l.row_passes.shape.threads = 4 * kRowPassRows;
 }
 
 template <class T>
@@ -348,12 +385,9 @@ BackwardLaunch backward_launch(const char* fn, const detail::BackwardParams<T>& 
   };
   grid(l.query_blocks, l.query, p.dims.T);
   grid(l.key_blocks, l.key, p.dims.S);
-  l.static_sums.shape.x = 2;
-  l.static_sums.shape.y = p.dims.G;
-  l.static_sums.shape.threads = 256;
-  l.head_sums.shape.x = p.dims.Hk;
-  l.head_sums.shape.y = p.dims.B;
-  l.head_sums.shape.threads = 256;
+  l.static_sums.shape = {2, p.dims.G, 1, 256};
+  l.head_sums.shape = {p.dims.Hk, p.dims.B, 1, 256};
+  plan_one_pass(p, base, opt, l);
   return l;
 }
 

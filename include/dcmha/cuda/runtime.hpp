@@ -11,6 +11,7 @@
 
 #include "../error.hpp"
 #include "backward_kernel.hpp"
+#include "mha_backward_kernel.hpp"
 #include "forward_kernel.hpp"
 #include "launch_plan.hpp"
 
@@ -117,6 +118,29 @@ __global__ void __launch_bounds__(kMaxThreads, 1)
                     const __grid_constant__ BackwardScratch scratch) {
   const DeviceBlock blk;
   KeyGradKernel<T, kHeadDim, DeviceBlock>(blk, p, geo, scratch).run();
+}
+
+template <class T, int kHeadDim>
+__global__ void __launch_bounds__(kMaxThreads, 1)
+    mha_backward_kernel(const __grid_constant__ detail::BackwardParams<T> p,
+                        const __grid_constant__ BackwardGeometry geo,
+                        const __grid_constant__ BackwardScratch scratch) {
+  const DeviceBlock blk;
+  MhaBackwardKernel<T, kHeadDim, DeviceBlock>(blk, p, geo, scratch).run();
+}
+
+template <class T>
+__global__ void __launch_bounds__(kMaxThreads, 1)
+    row_dots_kernel(const __grid_constant__ detail::BackwardParams<T> p,
+                    const BackwardScratch scratch) {
+  sum_row_dots(DeviceBlock{}, p, scratch);
+}
+
+template <class T>
+__global__ void __launch_bounds__(kMaxThreads, 1)
+    query_grads_kernel(const __grid_constant__ detail::BackwardParams<T> p,
+                       const BackwardScratch scratch) {
+  store_query_grads(DeviceBlock{}, p, scratch);
 }
 
 template <class T>
