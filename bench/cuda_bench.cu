@@ -195,10 +195,18 @@ void time_iterations(benchmark::State& state, F&& call) {
   cudaEventDestroy(stop);
 }
 
+/// A timed case: a forward (and backward) of MHA or DCMHA at B, H, L = T = S, D;
+/// `launch.deterministic` false lets MHA's backward run in one pass.
+struct AttentionCase {
+  bool dcmha_on = false, backward = false;
+  index_t B = 1, H = 1, L = 1, D = 1;
+  dcmha::cuda::LaunchOptions launch;
+};
+
 template <class T>
-void attention(benchmark::State& state, bool dcmha_on, bool backward, index_t B, index_t H,
-               index_t L, index_t D) {
+void attention(benchmark::State& state, const AttentionCase& a) {
   const double baseline = used_mib();
+  const index_t B = a.B, H = a.H, L = a.L, D = a.D;
   try {
     DeviceTensors t;
     const auto q = t.random<T, 4>({B, H, L, D}, 1), k = t.random<T, 4>({B, H, L, D}, 1);
@@ -206,14 +214,15 @@ void attention(benchmark::State& state, bool dcmha_on, bool backward, index_t B,
     const auto out = t.random<T, 4>({B, H, L, D}, 1), dq = t.random<T, 4>({B, H, L, D}, 1);
     const auto dk = t.random<T, 4>({B, H, L, D}, 1), dv = t.random<T, 4>({B, H, L, D}, 1);
     const auto lse = t.lse(B, H, L);
-    const Compose<T> c = dcmha_on ? official_compose<T>(t, B, L, L, H) : Compose<T>{};
+    const Compose<T> c = a.dcmha_on ? official_compose<T>(t, B, L, L, H) : Compose<T>{};
     dcmha::AttentionConfig cfg;
     cfg.mask = dcmha::Mask::causal;
     dcmha::cuda::DeviceWorkspace ws;
     time_iterations(state, [&] {
       dcmha::cuda::forward(cfg, q, k, v, out, lse, c.weights, ws);
-      if (backward)
-        dcmha::cuda::backward(cfg, q, k, v, out, lse, dout, dq, dk, dv, c.weights, c.grads, ws);
+      if (a.backward)
+        dcmha::cuda::backward(cfg, q, k, v, out, lse, dout, dq, dk, dv, c.weights, c.grads, ws, 0,
+                              a.launch);
     });
     state.counters["peak_MiB"] = used_mib() - baseline;
     state.counters["workspace_MiB"] = mib(ws.bytes());
@@ -286,20 +295,27 @@ std::string shape_name(const char* letter, index_t B, index_t H, index_t L, inde
 }
 
 /// Every case of one storage type T, named with `storage` ("bf16", "fp16").
+/// MHA's forward+backward also with its one-pass backward (deterministic off), as "mha_one_pass".
 template <class T>
 void register_storage(const char* storage, const Sizes& s) {
-  for (index_t L : s.lengths)
+  auto attention_case = [&](const char* direction, const char* op, bool dcmha_on, bool backward,
+                            index_t L, bool one_pass) {
+    AttentionCase a{dcmha_on, backward, s.B, s.H, L, s.D, {}};
+    a.launch.deterministic = !one_pass;
+    const std::string name = std::string(direction) + "/" + op + "/" + storage +
+                             shape_name("T", s.B, s.H, L, s.D) + "/causal";
+    benchmark::RegisterBenchmark(name.c_str(), attention<T>, a)
+        ->UseManualTime()
+        ->Iterations(1)
+        ->Unit(benchmark::kMillisecond);
+  };
+  for (index_t L : s.lengths) {
     for (bool backward : {false, true})
-      for (bool dcmha_on : {false, true}) {
-        const std::string name = std::string(backward ? "fwdbwd/" : "fwd/") +
-                                 (dcmha_on ? "dcmha/" : "mha/") + storage +
-                                 shape_name("T", s.B, s.H, L, s.D) + "/causal";
-        benchmark::RegisterBenchmark(name.c_str(), attention<T>, dcmha_on, backward, s.B, s.H, L,
-                                     s.D)
-            ->UseManualTime()
-            ->Iterations(1)
-            ->Unit(benchmark::kMillisecond);
-      }
+      for (bool dcmha_on : {false, true})
+        attention_case(backward ? "fwdbwd" : "fwd", dcmha_on ? "dcmha" : "mha", dcmha_on, backward,
+                       L, false);
+    attention_case("fwdbwd", "mha_one_pass", false, true, L, true);
+  }
   for (bool dcmha_on : {false, true}) {
     const std::string name = std::string("decode/") + (dcmha_on ? "dcmha/" : "mha/") + storage +
                              shape_name("S", s.decode_B, s.H, s.decode_S, s.D);

@@ -117,6 +117,12 @@ void print_per_pair(const BenchmarkShape& s,
 }
 
 void print_plan(const Plans& p, bool dcmha) {
+  if (p.backward.one_pass) {
+    std::printf(
+        "  MHA one-pass backward plan: %d keys a block over %d-row query tiles, %lld B shared\n",
+        p.backward.key.rows, p.backward.key.stream_rows, (long long)p.backward.key.shared_bytes);
+    return;
+  }
   const auto& f = p.forward.geo;
   const auto& q = p.backward.query;
   const auto& k = p.backward.key;
@@ -182,7 +188,7 @@ class RunCache {
  public:
   EmulatedWork work(const BenchmarkShape& s) {
     const Plans plans = plans_of(s);
-    std::vector<EmulatedRuns>& kept = s.dcmha ? dcmha_ : mha_;
+    std::vector<EmulatedRuns>& kept = s.dcmha ? dcmha_ : s.one_pass ? one_pass_ : mha_;
     for (const EmulatedRuns& r : kept)
       if (same_blocks(r.plans, plans)) return emulated_work(s, r);
     kept.push_back(emulated_runs(s, plans));
@@ -190,65 +196,99 @@ class RunCache {
   }
 
  private:
-  std::vector<EmulatedRuns> mha_, dcmha_;
+  std::vector<EmulatedRuns> mha_, one_pass_, dcmha_;
 };
 
-void model(index_t T, index_t head_dim, RunCache& cache, bool sites) {
-  BenchmarkShape s;
-  s.T = T;
-  s.D = head_dim;
-  s.dcmha = false;
-  const EmulatedWork mha = cache.work(s);
-  s.dcmha = true;
-  const EmulatedWork dcmha = cache.work(s);
-  s.dcmha = false;
-  const Work fa2_forward = flash_forward(s);
-  s.backward = true;
-  const Work fa2_backward = flash_backward(s);
-  const Modeled fa2_fwd = flash(fa2_forward), fa2_bwd = flash(fa2_backward);
-  Modeled fa2_all = fa2_fwd, mha_all = ours(mha.forward), dcmha_all = ours(dcmha.forward);
-  fa2_all += fa2_bwd, mha_all += ours(mha.backward), dcmha_all += ours(dcmha.backward);
+/// Every case at one shape: ours emulated (MHA, MHA with its one-pass backward, DCMHA) and
+/// FlashAttention-2's MHA counted.
+struct ShapeModel {
+  BenchmarkShape s;  // MHA's backward shape
+  EmulatedWork mha, one_pass, dcmha;
+  Work fa2_forward, fa2_backward;
+};
 
-  const std::string shape = "T" + std::to_string(T);
-  std::printf("\nbf16 B4/H32/D%lld %s causal (ms, overlapped / serialized)\n", (long long)head_dim,
+ShapeModel shape_model(index_t T, index_t head_dim, RunCache& cache) {
+  ShapeModel m;
+  BenchmarkShape s;
+  s.T = T, s.D = head_dim;
+  m.mha = cache.work(s);
+  s.one_pass = true;
+  m.one_pass = cache.work(s);
+  s.one_pass = false, s.dcmha = true;
+  m.dcmha = cache.work(s);
+  s.dcmha = false;
+  m.fa2_forward = flash_forward(s);
+  s.backward = true;
+  m.fa2_backward = flash_backward(s);
+  m.s = s;
+  return m;
+}
+
+/// The table: ours against FA2's, forward and forward+backward, the targets.
+void print_table(const ShapeModel& m) {
+  const Modeled fa2_fwd = flash(m.fa2_forward);
+  Modeled fa2_all = fa2_fwd, mha_all = ours(m.mha.forward), dcmha_all = ours(m.dcmha.forward);
+  Modeled one_pass_all = ours(m.mha.forward);
+  fa2_all += flash(m.fa2_backward), mha_all += ours(m.mha.backward);
+  dcmha_all += ours(m.dcmha.backward), one_pass_all += ours(m.one_pass.backward);
+  const std::string shape = "T" + std::to_string(m.s.T);
+  std::printf("\nbf16 B4/H32/D%lld %s causal (ms, overlapped / serialized)\n", (long long)m.s.D,
               shape.c_str());
   std::printf("| case | FA2 MHA | ours | ours / FA2 | target |\n|---|---|---|---|---|\n");
-  print_row("MHA forward " + shape, fa2_fwd, ours(mha.forward), 1.3);
+  print_row("MHA forward " + shape, fa2_fwd, ours(m.mha.forward), 1.3);
   print_row("MHA forward+backward " + shape, fa2_all, mha_all, 1.3);
-  print_row("DCMHA forward " + shape, fa2_fwd, ours(dcmha.forward), 2.0);
+  print_row("MHA forward+backward, one pass " + shape, fa2_all, one_pass_all, 1.3);
+  print_row("DCMHA forward " + shape, fa2_fwd, ours(m.dcmha.forward), 2.0);
   print_row("DCMHA forward+backward " + shape, fa2_all, dcmha_all, 2.5);
+}
+
+/// Where the time goes: each unit summed over launches, each backward launch, per pair.
+void print_breakdown(const ShapeModel& m) {
   std::printf("units, summed over launches:\n");
-  print_units("FA2 MHA forward", fa2_fwd);
-  print_units("FA2 MHA backward", fa2_bwd);
-  print_units("our MHA forward", ours(mha.forward));
-  print_units("our MHA backward", ours(mha.backward));
-  print_units("our DCMHA forward", ours(dcmha.forward));
-  print_units("our DCMHA backward", ours(dcmha.backward));
+  print_units("FA2 MHA forward", flash(m.fa2_forward));
+  print_units("FA2 MHA backward", flash(m.fa2_backward));
+  print_units("our MHA forward", ours(m.mha.forward));
+  print_units("our MHA backward", ours(m.mha.backward));
+  print_units("our MHA backward, one pass", ours(m.one_pass.backward));
+  print_units("our DCMHA forward", ours(m.dcmha.forward));
+  print_units("our DCMHA backward", ours(m.dcmha.backward));
   std::printf("kernels, overlapped:\n");
-  print_kernels("our MHA backward", mha.backward);
-  print_kernels("our DCMHA backward", dcmha.backward);
-  print_per_pair(s, {{"FA2 MHA forward", &fa2_forward},
-                     {"our MHA forward", &mha.forward.total},
-                     {"our DCMHA forward", &dcmha.forward.total},
-                     {"FA2 MHA backward", &fa2_backward},
-                     {"our MHA backward", &mha.backward.total},
-                     {"our DCMHA backward", &dcmha.backward.total}});
-  print_plan(mha.plans, false);
-  print_plan(dcmha.plans, true);
-  const double fit = std::max({mha.forward.fit_error, mha.backward.fit_error,
-                               dcmha.forward.fit_error, dcmha.backward.fit_error});
+  print_kernels("our MHA backward", m.mha.backward);
+  print_kernels("our MHA backward, one pass", m.one_pass.backward);
+  print_kernels("our DCMHA backward", m.dcmha.backward);
+  print_per_pair(m.s, {{"FA2 MHA forward", &m.fa2_forward},
+                       {"our MHA forward", &m.mha.forward.total},
+                       {"our DCMHA forward", &m.dcmha.forward.total},
+                       {"FA2 MHA backward", &m.fa2_backward},
+                       {"our MHA backward", &m.mha.backward.total},
+                       {"our MHA backward, one pass", &m.one_pass.backward.total},
+                       {"our DCMHA backward", &m.dcmha.backward.total}});
+  print_plan(m.mha.plans, false);
+  print_plan(m.one_pass.plans, false);
+  print_plan(m.dcmha.plans, true);
+}
+
+void model(index_t T, index_t head_dim, RunCache& cache, bool sites) {
+  const ShapeModel m = shape_model(T, head_dim, cache);
+  print_table(m);
+  print_breakdown(m);
+  const double fit =
+      std::max({m.mha.forward.fit_error, m.mha.backward.fit_error, m.one_pass.backward.fit_error,
+                m.dcmha.forward.fit_error, m.dcmha.backward.fit_error});
+  const auto& lengths = m.dcmha.lengths;
   std::printf(
       "  scaling check: counts emulated at T = %lld, %lld, %lld predict T = %lld's within "
       "%.2g (relative)\n",
-      (long long)dcmha.lengths[0], (long long)dcmha.lengths[1], (long long)dcmha.lengths[2],
-      (long long)dcmha.lengths[3], fit);
+      (long long)lengths[0], (long long)lengths[1], (long long)lengths[2], (long long)lengths[3],
+      fit);
   // Counts that are not the quadratic the extrapolation assumes make the table meaningless.
   if (fit > kLargestFitError)
     throw std::runtime_error("the scaling check failed: a count is off its quadratic by " +
                              std::to_string(fit));
   if (sites) {
-    print_sites("MHA", mha);
-    print_sites("DCMHA", dcmha);
+    print_sites("MHA", m.mha);
+    print_sites("MHA one-pass", m.one_pass);
+    print_sites("DCMHA", m.dcmha);
   }
 }
 

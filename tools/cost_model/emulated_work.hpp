@@ -97,6 +97,7 @@ struct Plans {
     cuda::LaunchOptions o;
     o.rows = backward.query.rows, o.key_rows = backward.key.rows;
     o.cluster = backward.query.cluster;
+    o.deterministic = !backward.one_pass;
     return o;
   }
 };
@@ -132,8 +133,11 @@ inline Plans plans_of(const BenchmarkShape& s) {
   Plans p;
   p.forward =
       cuda::forward_launch(fn, detail::forward_params<bf16>(fn, causal(), q, k, v, out, lse, c));
+  cuda::LaunchOptions backward;
+  backward.deterministic = !s.one_pass;
   p.backward = cuda::backward_launch(
-      fn, detail::backward_params<bf16>(fn, causal(), q, k, v, lse, dout, dq, dk, dv, c, g, out));
+      fn, detail::backward_params<bf16>(fn, causal(), q, k, v, lse, dout, dq, dk, dv, c, g, out),
+      backward);
   return p;
 }
 
@@ -270,7 +274,8 @@ inline bool same_blocks(const Plans& a, const Plans& b) {
   const cuda::LaunchOptions f = a.forward_options(), g = b.forward_options();
   const cuda::LaunchOptions p = a.backward_options(), q = b.backward_options();
   return f.rows == g.rows && f.cluster == g.cluster && f.key_splits == g.key_splits &&
-         p.rows == q.rows && p.key_rows == q.key_rows && p.cluster == q.cluster;
+         p.rows == q.rows && p.key_rows == q.key_rows && p.cluster == q.cluster &&
+         p.deterministic == q.deterministic;
 }
 
 /// Our kernels' forward and backward at shape s (s.backward is ignored).
