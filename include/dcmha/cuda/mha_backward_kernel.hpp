@@ -30,14 +30,15 @@ template <class Block, class T>
 DCMHA_INLINE void sum_row_dots(const Block& blk, const detail::BackwardParams<T>& p,
                                const BackwardScratch& scratch) {
   const index_t row = row_pass_row(blk, p.dims);
-  if (row < 0) return;
   const int part = blk.thread() % 4;
-  const index_t t = row % p.dims.T, h = row / p.dims.T % p.dims.H, b = row / p.dims.T / p.dims.H;
-  const bool real = t < detail::RowMask(p.mask, p.dims.T, p.dims.S).query_length(b);
+  const index_t at = row < 0 ? 0 : row;
+  const index_t t = at % p.dims.T, h = at / p.dims.T % p.dims.H, b = at / p.dims.T / p.dims.H;
+  const bool real = row >= 0 && t < detail::RowMask(p.mask, p.dims.T, p.dims.S).query_length(b);
   const float sum =
       real ? row_dot_part(blk, &p.out(b, h, t, 0), &p.dout(b, h, t, 0), int(p.dims.Dv), part)
            : 0.0f;
-  const float dot = quad_sum(blk, sum);
+  const float dot = quad_sum(blk, sum);  // every lane of the warp: a shuffle takes them all
+  if (row < 0) return;
   if (part == 0) blk.store_global(scratch.row_dot + row, dot);
   for (index_t d = part; d < p.dims.D; d += 4)
     blk.store_global(scratch.dq_sum + row * p.dims.D + d, 0.0f);
