@@ -37,6 +37,9 @@ struct Counters {
   std::uint64_t mma = 0;                // m16n8k16 tensor-core instructions (2,048 multiply-adds)
   std::uint64_t fma = 0, exp = 0;  // CUDA-core multiply-adds and exponentials the kernels count
   std::uint64_t shuffles = 0, block_barriers = 0, cluster_barriers = 0, warp_syncs = 0;
+  // Atomic adds to an address that another block of the launch added to before: their order,
+  // and so the sum's last bits, are the schedule's (0 for a deterministic launch).
+  std::uint64_t unordered_adds = 0;
   // By "file:line kind" (shared load, shared store, global load, global store, shuffle), where
   // Counting::sites() is on; empty otherwise.
   std::map<std::string, SiteCounts> sites;
@@ -49,7 +52,7 @@ struct Counters {
     shared_wavefronts += o.shared_wavefronts, peer_shared_bytes += o.peer_shared_bytes;
     mma += o.mma, fma += o.fma, exp += o.exp, shuffles += o.shuffles;
     block_barriers += o.block_barriers, cluster_barriers += o.cluster_barriers;
-    warp_syncs += o.warp_syncs;
+    warp_syncs += o.warp_syncs, unordered_adds += o.unordered_adds;
     for (const auto& [site, counts] : o.sites) sites[site] += counts;
     return *this;
   }

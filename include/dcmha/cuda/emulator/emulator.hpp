@@ -31,6 +31,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -299,6 +300,7 @@ class ClusterRun {
   std::vector<const char*> warp_what_;
   std::vector<Site> warp_site_;
   Counters counters_;
+  std::unordered_map<const void*, index_t> last_adder_;  // atomic adds: address -> block
   std::string failure_;
   std::exception_ptr body_failure_;
   int current_ = -1;  // the lane running
@@ -805,6 +807,9 @@ inline void HostBlock::atomic_add_global(float* p, float v, Site site) const {
   if (Counting::enabled())
     run_->lane(lane_).log.push_back(
         {p, std::uint32_t(sizeof(float)), false, true, false, site.file, site.line});
+  const index_t adder = (block(2) * run_->shape_.y + block(1)) * run_->shape_.x + block(0);
+  const auto [last, first] = run_->last_adder_.try_emplace(p, adder);
+  if (!first && last->second != adder) ++run_->counters_.unordered_adds, last->second = adder;
   *p += v;
 }
 
