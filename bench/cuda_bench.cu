@@ -195,8 +195,8 @@ void time_iterations(benchmark::State& state, F&& call) {
   cudaEventDestroy(stop);
 }
 
-/// A timed case: a forward (and backward) of MHA or DCMHA at B, H, L = T = S, D;
-/// `launch.deterministic` false lets MHA's backward run in one pass.
+/// A timed case: a forward (and backward) of MHA or DCMHA at B, H, L = T = S, D, with `launch`
+/// choosing among MHA's backwards (one pass in rounds, one pass unordered, two-sided).
 struct AttentionCase {
   bool dcmha_on = false, backward = false;
   index_t B = 1, H = 1, L = 1, D = 1;
@@ -295,13 +295,13 @@ std::string shape_name(const char* letter, index_t B, index_t H, index_t L, inde
 }
 
 /// Every case of one storage type T, named with `storage` ("bf16", "fp16").
-/// MHA's forward+backward also with its one-pass backward (deterministic off), as "mha_one_pass".
+/// MHA's forward+backward also with its other backwards: "mha_unordered" (deterministic off: the
+/// one pass in one launch) and "mha_two_sided" (one_pass off).
 template <class T>
 void register_storage(const char* storage, const Sizes& s) {
   auto attention_case = [&](const char* direction, const char* op, bool dcmha_on, bool backward,
-                            index_t L, bool one_pass) {
-    AttentionCase a{dcmha_on, backward, s.B, s.H, L, s.D, {}};
-    a.launch.deterministic = !one_pass;
+                            index_t L, const dcmha::cuda::LaunchOptions& launch) {
+    const AttentionCase a{dcmha_on, backward, s.B, s.H, L, s.D, launch};
     const std::string name = std::string(direction) + "/" + op + "/" + storage +
                              shape_name("T", s.B, s.H, L, s.D) + "/causal";
     benchmark::RegisterBenchmark(name.c_str(), attention<T>, a)
@@ -313,8 +313,12 @@ void register_storage(const char* storage, const Sizes& s) {
     for (bool backward : {false, true})
       for (bool dcmha_on : {false, true})
         attention_case(backward ? "fwdbwd" : "fwd", dcmha_on ? "dcmha" : "mha", dcmha_on, backward,
-                       L, false);
-    attention_case("fwdbwd", "mha_one_pass", false, true, L, true);
+                       L, {});
+    dcmha::cuda::LaunchOptions unordered, two_sided;
+    unordered.deterministic = false;
+    two_sided.one_pass = false;
+    attention_case("fwdbwd", "mha_unordered", false, true, L, unordered);
+    attention_case("fwdbwd", "mha_two_sided", false, true, L, two_sided);
   }
   for (bool dcmha_on : {false, true}) {
     const std::string name = std::string("decode/") + (dcmha_on ? "dcmha/" : "mha/") + storage +

@@ -222,7 +222,8 @@ def attention_line(storage, T, backward, mine, theirs):
     d = "fwdbwd" if backward else "fwd"
     mha = mine.get(f"{d}/mha/{storage}/B{B}/H{H}/T{T}/D{D}/causal", MISSING)
     dc = mine.get(f"{d}/dcmha/{storage}/B{B}/H{H}/T{T}/D{D}/causal", MISSING)
-    one_pass = mine.get(f"{d}/mha_one_pass/{storage}/B{B}/H{H}/T{T}/D{D}/causal", MISSING)
+    unordered = mine.get(f"{d}/mha_unordered/{storage}/B{B}/H{H}/T{T}/D{D}/causal", MISSING)
+    two_sided = mine.get(f"{d}/mha_two_sided/{storage}/B{B}/H{H}/T{T}/D{D}/causal", MISSING)
     flash, einsum = theirs["flash"], theirs["einsum"]
     limit = FORWARD_BACKWARD_LIMIT if backward else FORWARD_LIMIT
     targets = [verdict(f"<= {limit}x flash", judged(dc, flash, lambda r: r <= limit))]
@@ -232,7 +233,8 @@ def attention_line(storage, T, backward, mine, theirs):
     if einsum == (None, "OOM"):
         ok = None if dc is MISSING else dc[0] is not None
         targets.append(verdict("runs where einsum is OOM", ok))
-    line = (f"| {d} T{T} {storage} | {fmt(mha)} | {fmt(one_pass) if backward else '-'} | "
+    others = f"{fmt(unordered)} | {fmt(two_sided)}" if backward else "- | -"
+    line = (f"| {d} T{T} {storage} | {fmt(mha)} | {others} | "
             f"{fmt(dc)} | {fmt(flash)} | {fmt(einsum)} | "
             f"{shown(ratio(dc, flash), 2)} | {shown(ratio(einsum, dc), 1)} | "
             f"{'; '.join(targets)} |")
@@ -244,7 +246,7 @@ def decode_line(storage, mine, theirs):
     shape = f"B{DECODE_B}/H{H}/S{DECODE_S}/D{D}"
     mha = mine.get(f"decode/mha/{storage}/{shape}", MISSING)
     dc = mine.get(f"decode/dcmha/{storage}/{shape}", MISSING)
-    return (f"| decode B{DECODE_B}/S{DECODE_S} {storage} | {fmt(mha)} | - | {fmt(dc)} | "
+    return (f"| decode B{DECODE_B}/S{DECODE_S} {storage} | {fmt(mha)} | - | - | {fmt(dc)} | "
             f"{fmt(theirs['decode']['flash'])} | - | - | - | none (DCMHA / MHA "
             f"{shown(ratio(dc, mha), 2)}) |")
 
@@ -254,8 +256,9 @@ def table(mine, results):
              "one timed call after one warm-up (decode: the mean of 10); peak memory beyond the "
              "inputs in parentheses (dcmha: outputs, gradients and workspace; PyTorch: its "
              "allocations)" + ("" if mine else "; dcmha's results: none (no bench.json)"), "",
-             "| case | dcmha MHA | dcmha MHA one pass | dcmha DCMHA | SDPA flash MHA | einsum DCMHA "
-             "| DCMHA / flash | einsum / DCMHA | target |", "|---|---|---|---|---|---|---|---|---|"]
+             "| case | dcmha MHA | dcmha MHA unordered | dcmha MHA two-sided | dcmha DCMHA | "
+             "SDPA flash MHA | einsum DCMHA "
+             "| DCMHA / flash | einsum / DCMHA | target |", "|---|---|---|---|---|---|---|---|---|---|"]
     missed = []  # missed or not measured
     for storage, theirs in results.items():
         for T in LENGTHS:

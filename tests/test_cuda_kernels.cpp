@@ -242,38 +242,103 @@ LaunchOptions unordered() {
   o.deterministic = false;
   return o;
 }
+LaunchOptions key_splits(index_t splits) {
+  LaunchOptions o;
+  o.key_splits = splits;
+  return o;
+}
 
 TEST(CudaKernelsEmulated, MhaBackwardInOnePass) {
-  // deterministic = false: MHA in bf16 and fp16, given the output, runs in one pass (blocks of
-  // 128 keys over 64-row query tiles, dQ summed atomically): several key blocks and query tiles,
-  // GQA and groups, windows, per-sequence lengths, S != T, every head-dim class up to 128 (the
-  // dQ warps' two layouts), strided views.
+  // MHA in bf16 and fp16, given the output, runs in one pass (blocks of 128 keys over 64-row
+  // query tiles): deterministic (rounds of one, two or every key block, each block of a round
+  // its own dQ sums) and unordered (one round adding to one); several key blocks and query tiles,
+  // GQA and groups, windows, per-sequence lengths, S != T, every head-dim class up to 128 (the dQ
+  // warps' two layouts), strided views.
   ProblemSpec s = tiled_spec();
   s.pre = s.post = SideSpec::none();
-  s.D = 16, s.Dv = 24, s.T = 150, s.S = 140;
+  s.D = 16, s.Dv = 24, s.T = 150, s.S = 300;
   uint64_t seed = 140;
+  check_case<bf16>(dcmha::test::with_launch(s), seed++);
+  check_case<half>(dcmha::test::with_launch(s, key_splits(1)), seed++);
+  check_case<bf16>(dcmha::test::with_launch(s, key_splits(2)), seed++, dcmha::test::Layout::bthd);
   check_case<bf16>(dcmha::test::with_launch(s, unordered()), seed++);
+  s.S = 140, s.window = 37;
   check_case<half>(dcmha::test::with_launch(s, unordered()), seed++);
-  check_case<bf16>(dcmha::test::with_launch(s, unordered()), seed++, dcmha::test::Layout::bthd);
-  s.window = 37;
-  check_case<half>(dcmha::test::with_launch(s, unordered()), seed++);
+  check_case<bf16>(dcmha::test::with_launch(s, key_splits(1)), seed++);
   s.window = 0, s.causal = false, s.T = 70, s.S = 260;
-  Case c = dcmha::test::with_launch(s, unordered());
+  Case c = dcmha::test::with_launch(s, key_splits(1));
   c.spec.B = 3;
   c.query_lengths = {70, 17, 0};
   c.key_lengths = {260, 131, 3};
   check_case<bf16>(c, seed++);
+  c.launch = unordered();
+  check_case<half>(c, seed++);
   s.causal = true, s.B = 1, s.T = 80, s.S = 70;
   for (int64_t d : {64, 96, 128}) {
     s.D = s.Dv = d;
-    check_case<bf16>(dcmha::test::with_launch(s, unordered()), seed++);
+    check_case<bf16>(dcmha::test::with_launch(s), seed++);
   }
   s.D = 80, s.Dv = 72;
-  check_case<half>(dcmha::test::with_launch(s, unordered()), seed++);
+  check_case<half>(dcmha::test::with_launch(s), seed++);
   // Rows (B H T = 132) ending inside a warp of the row passes: its lanes past them must still
   // take part in the row dots' shuffles.
   s.T = s.S = 33;
-  check_case<bf16>(dcmha::test::with_launch(s, unordered()), seed++);
+  check_case<bf16>(dcmha::test::with_launch(s), seed++);
+}
+
+/// The one pass's launch counts after an emulated backward of case c.
+template <class T>
+dcmha::cuda::emulator::Counters one_pass_counts(const Case& c, uint64_t seed) {
+  const dcmha::reference::Problem p = dcmha::test::storage_problem<T>(problem_of(c, seed));
+  EmulatedRun<T> run(c, p, dcmha::test::random_dout(p, seed));
+  run.forward(c.launch);
+  dcmha::cuda::emulator::LaunchLog::get().take();
+  run.backward(c.launch);
+  dcmha::cuda::emulator::Counters counts;
+  for (const auto& [kernel, launch] : dcmha::cuda::emulator::LaunchLog::get().take())
+    if (kernel == "backward_one_pass") counts += launch;
+  return counts;
+}
+
+TEST(CudaKernelsEmulated, OnePassSumsInAFixedOrder) {
+  // Deterministic, no block of a launch adds to a dQ sum another block added to (each element's
+  // adds come from one thread a round, the rounds in stream order): the same call gives the same
+  // bits on any schedule. Unordered, the key blocks of a head add to the same sums.
+  ProblemSpec s = tiled_spec();
+  s.pre = s.post = SideSpec::none();
+  s.D = s.Dv = 32, s.T = s.S = 300;
+  for (index_t splits : {0, 1, 2}) {
+    const dcmha::cuda::emulator::Counters counts =
+        one_pass_counts<bf16>(dcmha::test::with_launch(s, key_splits(splits)), 150);
+    EXPECT_GT(counts.blocks, 0u) << splits;
+    EXPECT_EQ(counts.unordered_adds, 0u) << splits;
+  }
+  EXPECT_GT(one_pass_counts<half>(dcmha::test::with_launch(s, unordered()), 151).unordered_adds,
+            0u);
+}
+
+TEST(CudaKernelsEmulated, MhaTwoSidedBackward) {
+  // LaunchOptions::one_pass false: MHA in bf16 and fp16 takes the query side and the key side
+  // (the key side streaming 32 query rows), as it does without the output or at head dim 256.
+  ProblemSpec s = tiled_spec();
+  s.pre = s.post = SideSpec::none();
+  s.D = 16, s.Dv = 24;
+  LaunchOptions two_sided;
+  two_sided.one_pass = false;
+  uint64_t seed = 160;
+  check_case<bf16>(dcmha::test::with_launch(s, two_sided), seed++);
+  check_case<half>(dcmha::test::with_launch(s, two_sided), seed++);
+  s.window = 5, s.T = 45, s.S = 40;
+  check_case<bf16>(dcmha::test::with_launch(s, two_sided), seed++);
+  s.window = 0, s.T = 40, s.S = 45;
+  Case c = dcmha::test::with_launch(s, two_sided);
+  c.launch.rows = 64;
+  c.spec.B = 3;
+  c.query_lengths = {40, 17, 0};
+  c.key_lengths = {45, 30, 3};
+  check_case<half>(c, seed++);
+  s.T = 33, s.S = 36, s.B = 1, s.D = s.Dv = 128;
+  check_case<bf16>(dcmha::test::with_launch(s, two_sided), seed++);
 }
 
 TEST(CudaKernelsEmulated, MasksAndWindows) {
@@ -499,32 +564,67 @@ TEST(CudaKernelsEmulated, LaunchPlans) {
 }
 
 TEST(CudaKernelsEmulated, OnePassPlans) {
-  // MHA's one-pass backward: only where the call allows an unordered dQ (deterministic false),
-  // the tensor cores take the storage type, the forward's output is given, there is no compose
-  // term and the head dim is at most 128; then a block per (128 keys, head, sequence).
+  // MHA's one-pass backward: where the call allows it (one_pass, by default), the tensor cores
+  // take the storage type, the forward's output is given, there is no compose term and the head
+  // dim is at most 128. Deterministic, as many key splits as batch x heads fit in kOnePassBlocks
+  // blocks, each split its own dQ sums; unordered, a block per (128 keys, head, sequence).
   static const bf16 given_output{};
   dcmha::detail::BackwardParams<bf16> b;
   b.dims = {4, 32, 32, 4096, 4096, 128, 128, 32, 1};
   b.out.data = &given_output;
-  LaunchOptions unordered;
-  unordered.deterministic = false;
-  const dcmha::cuda::BackwardLaunch l = dcmha::cuda::backward_launch("plan", b, unordered);
+  const dcmha::cuda::BackwardLaunch l = dcmha::cuda::backward_launch("plan", b);
   ASSERT_TRUE(l.one_pass);
   EXPECT_EQ(l.key.rows, dcmha::cuda::kOnePassKeys);
   EXPECT_EQ(l.key.stream_rows, dcmha::cuda::kOnePassRows);
-  EXPECT_EQ(l.key_blocks.shape.x, 4096 / 128);
+  EXPECT_EQ(l.key_blocks.shape.x, 1);  // 128 heads and sequences fill a wave of 132 blocks
+  EXPECT_EQ(l.key.key_splits, 1);
+  EXPECT_EQ(l.key_rounds, 4096 / 128);  // a launch per key block
+  EXPECT_TRUE(l.key.split_sums);
   EXPECT_EQ(l.key_blocks.shape.y, 32);
   EXPECT_EQ(l.key_blocks.shape.z, 4);
   EXPECT_EQ(l.key_blocks.shape.threads, 256);
   EXPECT_LE(l.key_blocks.shared_bytes(), dcmha::cuda::DeviceLimits::sm90().shared_bytes);
   EXPECT_EQ(l.row_passes.shape.x, 4 * 32 * 4096 / dcmha::cuda::kRowPassRows);
   EXPECT_EQ(dcmha::cuda::backward_scratch_sizes(b.dims, l).dq_sum, index_t(4) * 32 * 4096 * 128);
-  EXPECT_FALSE(dcmha::cuda::backward_launch("plan", b).one_pass);  // deterministic by default
-  auto without = [&](auto&& change) {
+  LaunchOptions unordered;
+  unordered.deterministic = false;
+  const dcmha::cuda::BackwardLaunch u = dcmha::cuda::backward_launch("plan", b, unordered);
+  ASSERT_TRUE(u.one_pass);
+  EXPECT_EQ(u.key_blocks.shape.x, 4096 / 128);
+  EXPECT_EQ(u.key_rounds, 1);
+  EXPECT_FALSE(u.key.split_sums);
+  EXPECT_EQ(dcmha::cuda::backward_scratch_sizes(b.dims, u).dq_sum, index_t(4) * 32 * 4096 * 128);
+}
+
+TEST(CudaKernelsEmulated, OnePassKeySplitsAndWhereItRuns) {
+  // Splits: as forced, at most one per key block; few heads, 132 blocks' worth, at most one per
+  // key block; more heads than 132, one. The one pass only where it applies.
+  static const bf16 given_output{};
+  dcmha::detail::BackwardParams<bf16> b;
+  b.dims = {4, 32, 32, 4096, 4096, 128, 128, 32, 1};
+  b.out.data = &given_output;
+  LaunchOptions forced;
+  forced.key_splits = 5;
+  const dcmha::cuda::BackwardLaunch five = dcmha::cuda::backward_launch("plan", b, forced);
+  EXPECT_EQ(five.key.key_splits, 5);
+  EXPECT_EQ(five.key_rounds, 7);  // 32 key blocks
+  dcmha::detail::BackwardParams<bf16> few = b;
+  few.dims.B = 1, few.dims.H = few.dims.Hk = 4, few.dims.G = 4;
+  EXPECT_EQ(dcmha::cuda::backward_launch("plan", few).key.key_splits, 32);  // 4096 / 128 keys
+  few.dims.T = few.dims.S = 65536;
+  EXPECT_EQ(dcmha::cuda::backward_launch("plan", few).key.key_splits, 33);  // 132 / 4 heads
+  few.dims.H = few.dims.Hk = few.dims.G = 160;
+  EXPECT_EQ(dcmha::cuda::backward_launch("plan", few).key.key_splits, 1);
+  forced.key_splits = 1000;
+  EXPECT_EQ(dcmha::cuda::backward_launch("plan", b, forced).key.key_splits, 32);
+  auto without = [&](auto&& change, LaunchOptions opt = {}) {
     dcmha::detail::BackwardParams<bf16> c = b;
     change(c);
-    return dcmha::cuda::backward_launch("plan", c, unordered).one_pass;
+    return dcmha::cuda::backward_launch("plan", c, opt).one_pass;
   };
+  LaunchOptions two_sided;
+  two_sided.one_pass = false;
+  EXPECT_FALSE(without([](auto&) {}, two_sided));
   EXPECT_FALSE(without([](auto& c) { c.out.data = nullptr; }));
   EXPECT_FALSE(without([](auto& c) { c.dims.D = c.dims.Dv = 256; }));
   EXPECT_FALSE(without([](auto& c) { c.compose.pre.query_wise = true; }));
@@ -532,7 +632,7 @@ TEST(CudaKernelsEmulated, OnePassPlans) {
   f.dims = b.dims;
   static const float given_float_output = 0;
   f.out.data = &given_float_output;
-  EXPECT_FALSE(dcmha::cuda::backward_launch("plan", f, unordered).one_pass);
+  EXPECT_FALSE(dcmha::cuda::backward_launch("plan", f).one_pass);
 }
 
 TEST(CudaKernelsEmulated, DecodeStepsAreTheForwardRows) {

@@ -203,18 +203,21 @@ TEST(CudaGpu, TensorCoresAgainstTheCpuAndTheReference) {
 }
 
 TEST(CudaGpu, MhaBackwardInOnePass) {
-  // deterministic = false: MHA's backward in one pass, dQ summed atomically on the device, at
-  // the checkpoints' head dims, with GQA, windows and per-sequence lengths.
+  // MHA's backward in one pass, dQ added on the device in rounds (deterministic: one key block
+  // a round, or every one in one) or all in one (unordered), at the checkpoints' head dims,
+  // with GQA, windows and per-sequence lengths.
   dcmha::cuda::LaunchOptions unordered;
   unordered.deterministic = false;
+  const dcmha::cuda::LaunchOptions one_split = dcmha::test::tiles(0, 0, 1);
   ProblemSpec s = tiled_spec();
   s.T = 150, s.S = 170, s.pre = s.post = SideSpec::none();
   uint64_t seed = 80;
   for (int64_t d : {64, 80, 128}) {
     s.D = s.Dv = d;
-    check_against_reference<dcmha::bf16>(with_launch(s, unordered), seed++, kBf16);
+    check_against_reference<dcmha::bf16>(with_launch(s), seed++, kBf16);
+    check_against_reference<dcmha::half>(with_launch(s, one_split), seed++, kHalf);
     check_against_reference<dcmha::half>(with_launch(s, unordered), seed++, kHalf);
-    check_against_cpu(with_launch(s, unordered), seed++, kBf16);
+    check_against_cpu(with_launch(s), seed++, kBf16);
   }
   s.causal = false, s.window = 37;
   check_against_reference<dcmha::bf16>(with_launch(s, unordered), seed++, kBf16);
@@ -252,23 +255,34 @@ TEST(CudaGpu, OfficialShapeOnClusters) {
   check_against_reference<dcmha::bf16>(with_launch(s, dcmha::test::tiles(0, 4, 3)), 22, kBf16);
 }
 
-TEST(CudaGpu, BackwardIsBitwiseDeterministic) {
-  ProblemSpec s = tiled_spec();
-  s.H = 8, s.Hk = 4, s.G = 1;
-  const Case c = with_launch(s, dcmha::test::tiles(0, 4));
-  const dcmha::reference::Problem p = dcmha::test::problem_of(c, 40);
-  const std::vector<double> dout = dcmha::test::random_dout(p, 40);
-  TypedProblem<float> a(p), b(p);
+/// Runs case c twice (the same workspace, another stream) and requires the same bits.
+template <class T>
+void expect_same_bits_twice(const Case& c, uint64_t seed) {
+  SCOPED_TRACE(c.str());
+  const dcmha::reference::Problem p =
+      dcmha::test::storage_problem<T>(dcmha::test::problem_of(c, seed));
+  const std::vector<double> dout = dcmha::test::random_dout(p, seed);
+  TypedProblem<T> a(p), b(p);
   a.set_dout(dout), b.set_dout(dout);
   dcmha::cuda::DeviceWorkspace ws;
   cudaStream_t stream = nullptr;
   check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
   run_on_gpu(c, a, ws);
-  run_on_gpu(c, b, ws, stream);  // the same workspace, another stream
+  run_on_gpu(c, b, ws, stream);
   cudaStreamDestroy(stream);
   const std::vector<double> x = results(a), y = results(b);
   ASSERT_EQ(x.size(), y.size());
   for (std::size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i], y[i]) << "element " << i;
+}
+
+TEST(CudaGpu, BackwardIsBitwiseDeterministic) {
+  ProblemSpec s = tiled_spec();
+  s.H = 8, s.Hk = 4, s.G = 1;
+  expect_same_bits_twice<float>(with_launch(s, dcmha::test::tiles(0, 4)), 40);
+  // MHA's one pass: three key blocks in one round (each block its own dQ sums) or in three.
+  s.T = s.S = 300, s.D = s.Dv = 64, s.pre = s.post = SideSpec::none();
+  expect_same_bits_twice<dcmha::half>(with_launch(s), 41);
+  expect_same_bits_twice<dcmha::half>(with_launch(s, dcmha::test::tiles(0, 0, 1)), 42);
 }
 
 /// Appends and decodes p's tokens through a device DecodeCache by `schedule`; the rows must be
@@ -324,10 +338,13 @@ TEST(CudaGpu, SmallCaseForTheSanitizersTensorCores) {
   check_against_reference<dcmha::bf16>(with_launch(s), 72, kBf16);
   s.pre = s.post = SideSpec::dynamic();
   check_against_reference<dcmha::bf16>(with_launch(s, dcmha::test::tiles(0, 2)), 73, kBf16);
-  dcmha::cuda::LaunchOptions unordered;  // MHA's one-pass backward and its atomic dQ
+  dcmha::cuda::LaunchOptions unordered;  // MHA's one-pass backward, all its adds in one launch
   unordered.deterministic = false;
   s.pre = s.post = SideSpec::none();
   check_against_reference<dcmha::bf16>(with_launch(s, unordered), 74, kBf16);
+  dcmha::cuda::LaunchOptions two_sided;  // and on two sides
+  two_sided.one_pass = false;
+  check_against_reference<dcmha::bf16>(with_launch(s, two_sided), 75, kBf16);
 }
 
 TEST(CudaGpu, DecodeStepsAreTheForwardRows) {

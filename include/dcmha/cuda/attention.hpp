@@ -120,7 +120,11 @@ void run_backward_kernels(const char* fn, const detail::BackwardParams<T>& p,
                           cudaStream_t stream) {
   if constexpr (kOnePassHeadDim<T, kHeadDim>) {
     if (l.one_pass) {
-      launch(fn, mha_backward_kernel<T, kHeadDim>, l.key_blocks, stream, p, l.key, scratch);
+      for (int round = 0; round < l.key_rounds; ++round) {
+        BackwardGeometry geo = l.key;
+        geo.first_key_block = round * geo.key_splits;
+        launch(fn, mha_backward_kernel<T, kHeadDim>, l.key_blocks, stream, p, geo, scratch);
+      }
       return;
     }
   }

@@ -74,6 +74,11 @@ struct BackwardGeometry {
   bool key_side = false;
   // MHA's one-pass backward: the key side also adds dQ atomically; P and dS cross shared memory.
   bool one_pass = false;
+  // The one pass, launched in rounds of key_splits blocks a head: block x of the round from
+  // first_key_block takes key block first_key_block + x, adding dQ into sums of its own
+  // (split_sums: one thread a round adds to each, the rounds in stream order) or into one.
+  int key_splits = 1, first_key_block = 0;
+  bool split_sums = false;
   int M = 1, cluster = 1, own_heads = 1, kv_slots = 1;
   int rows = 16;  // resident rows (query side) or keys (key side) per block, a multiple of 16
   int stream_rows = kStreamRows;  // key side: query rows per streamed tile
@@ -187,7 +192,8 @@ struct BackwardScratch {
   float* static_partials = nullptr;  // [query block][side][M][M]
   float* dk = nullptr;               // with dkv_per_head: (B, H, S, D) per query head
   float* dv = nullptr;               // (B, H, S, Dv)
-  float* dq_sum = nullptr;           // one pass: dQ / scale (B, H, T, D), added to atomically
+  float* dq_sum = nullptr;  // one pass: dQ / scale (dq_sums, B, H, T, D), added to atomically
+  int dq_sums = 0;          // one per key split (deterministic) or one
 };
 
 }  // namespace dcmha::cuda

@@ -100,9 +100,13 @@ void run_one_pass(const detail::BackwardParams<T>& p, const BackwardLaunch& l,
   dispatch_head_dim(l.head_dim, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
     if constexpr (kOnePassHeadDim<T, kHeadDim>)
-      emulator::launch("backward_one_pass", l.key_blocks.shape, [&](const HostBlock& blk) {
-        MhaBackwardKernel<T, kHeadDim, HostBlock>(blk, p, l.key, scratch).run();
-      });
+      for (int round = 0; round < l.key_rounds; ++round) {
+        BackwardGeometry geo = l.key;
+        geo.first_key_block = round * geo.key_splits;
+        emulator::launch("backward_one_pass", l.key_blocks.shape, [&](const HostBlock& blk) {
+          MhaBackwardKernel<T, kHeadDim, HostBlock>(blk, p, geo, scratch).run();
+        });
+      }
     return 0;
   });
   emulator::launch("backward_query_grads", l.row_passes.shape,

@@ -37,15 +37,21 @@ struct DeviceLimits {
 
 /// Overrides for tests and tuning: 0 keeps the planned value.
 struct LaunchOptions {
-  index_t rows = 0;        // query rows per block (a multiple of 16): forward, backward query side
-  index_t key_rows = 0;    // keys per block of the backward's key side (a multiple of 16)
-  int cluster = 0;         // blocks sharing a group's heads
-  index_t key_splits = 0;  // forward: blocks that share a query tile's keys (1: no split)
-  DeviceLimits device;     // what the plan may use (an sm_90 unless device_given)
+  index_t rows = 0;      // query rows per block (a multiple of 16): forward, backward query side
+  index_t key_rows = 0;  // keys per block of the backward's key side (a multiple of 16)
+  int cluster = 0;       // blocks sharing a group's heads
+  // Blocks that share the keys of a query tile (forward) or of a head in one launch (the one-pass
+  // backward, launched in rounds), their partial results summed in split order (1: no split).
+  index_t key_splits = 0;
+  DeviceLimits device;        // what the plan may use (an sm_90 unless device_given)
   bool device_given = false;  // on a GPU, false: the current device's limits
-  // Backward: false lets MHA in bf16 or fp16 (head dim up to 128, given the forward's output) run
-  // in one pass that sums dQ atomically, as FlashAttention-2 does: faster, but dQ's last bits
-  // vary from run to run. rows, key_rows and cluster do not apply to that pass.
+  // Backward: MHA in bf16 or fp16 (head dim up to 128, given the forward's output) runs in one
+  // pass over the keys, as FlashAttention-2's does (rows, key_rows and cluster do not apply to
+  // it); false keeps the two-sided backward, which adds no float sums.
+  bool one_pass = true;
+  // The one pass: true gives each key split its own dQ sums, added to in a fixed order, so that
+  // the same call gives the same bits; false lets every key block add to one in a single launch
+  // (FlashAttention-2's default: fewer launches, dQ's last bits varying from run to run).
   bool deterministic = true;
 };
 
@@ -262,6 +268,7 @@ ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
 struct BackwardLaunch {
   int head_dim = 128;
   bool one_pass = false;  // MHA in one pass (mha_backward_kernel.hpp): `key` is its geometry
+  int key_rounds = 0;     // its launches, each over the next key.key_splits key blocks
   BackwardGeometry query, key;
   KernelLaunch query_blocks, key_blocks;
   KernelLaunch row_passes;   // one pass: the row dots before it, dQ after it
@@ -272,6 +279,7 @@ struct BackwardLaunch {
 /// Elements of each backward scratch array (floats).
 struct BackwardScratchSizes {
   index_t row_dot = 0, static_partials = 0, dk = 0, dv = 0, dq_sum = 0;
+  int dq_sums = 0;  // the one pass's arrays of dQ sums, in dq_sum
   index_t total() const { return row_dot + static_partials + dk + dv + dq_sum; }
 };
 
@@ -286,7 +294,8 @@ inline BackwardScratchSizes backward_scratch_sizes(const detail::AttentionDims& 
     s.dk = d.B * d.H * d.S * d.D;
     s.dv = d.B * d.H * d.S * d.Dv;
   }
-  if (l.one_pass) s.dq_sum = d.B * d.H * d.T * d.D;
+  if (l.one_pass) s.dq_sums = l.key.split_sums ? l.key.key_splits : 1;
+  if (l.one_pass) s.dq_sum = s.dq_sums * d.B * d.H * d.T * d.D;
   return s;
 }
 
@@ -298,15 +307,32 @@ inline BackwardScratch carve_scratch(float* base, const BackwardScratchSizes& s)
   scratch.dk = scratch.static_partials + s.static_partials;
   scratch.dv = scratch.dk + s.dk;
   scratch.dq_sum = scratch.dv + s.dv;
+  scratch.dq_sums = s.dq_sums;
   return scratch;
 }
 
+/// Blocks a deterministic one pass aims for over all heads and sequences: an H100's or H200's
+/// multiprocessors (one block each). Fixed rather than the device's count, so that the order of
+/// dQ's sums, and so its bits, depend on the problem alone.
+constexpr index_t kOnePassBlocks = 132;
+
+/// Key splits of the one pass (the blocks of a head in one round): every key block (unordered:
+/// one round), else as many as the heads and sequences fit in kOnePassBlocks blocks (a wave;
+/// rounding up would add a partial second), or as forced; at least 1, at most the key blocks.
+inline index_t one_pass_splits(const detail::AttentionDims& d, const LaunchOptions& opt) {
+  const index_t key_blocks = (d.S + kOnePassKeys - 1) / kOnePassKeys;
+  index_t splits = opt.deterministic ? kOnePassBlocks / (d.B * d.H) : key_blocks;
+  if (opt.key_splits > 0) splits = opt.key_splits;
+  return std::max<index_t>(1, std::min(splits, key_blocks));
+}
+
 /// MHA's one-pass backward where the call allows it and it fits: `l.key` its geometry,
-/// `l.key_blocks` a block per (128 keys, head, sequence), `l.row_passes` a block per 64 rows.
+/// `l.key_blocks` a round's launch (a block per key split, head and sequence), `l.row_passes`
+/// a block per 64 rows.
 template <class T>
 void plan_one_pass(const detail::BackwardParams<T>& p, const BackwardGeometry& base,
                    const LaunchOptions& opt, BackwardLaunch& l) {
-  if (!kTensorCoreType<T> || opt.deterministic || !base.registers || p.out.data == nullptr ||
+  if (!kTensorCoreType<T> || !opt.one_pass || !base.registers || p.out.data == nullptr ||
       l.head_dim > 128)
     return;
   BackwardGeometry g = base;
@@ -318,14 +344,14 @@ void plan_one_pass(const detail::BackwardParams<T>& p, const BackwardGeometry& b
     return 0;
   });
   if (g.shared_bytes > opt.device.shared_bytes) return;
+  g.key_splits = int(one_pass_splits(p.dims, opt));
+  g.split_sums = opt.deterministic;
+  const index_t key_blocks = (p.dims.S + kOnePassKeys - 1) / kOnePassKeys;
+  l.key_rounds = int((key_blocks + g.key_splits - 1) / g.key_splits);
   l.one_pass = true;
   l.key = g;
-  l.key_blocks.shape = {(p.dims.S + kOnePassKeys - 1) / kOnePassKeys,
-                        p.dims.H,
-                        p.dims.B,
-                        g.threads(),
-                        std::size_t(g.shared_bytes),
-                        1};
+  l.key_blocks.shape = {
+      g.key_splits, p.dims.H, p.dims.B, g.threads(), std::size_t(g.shared_bytes), 1};
   l.row_passes.shape.x = (p.dims.B * p.dims.H * p.dims.T + kRowPassRows - 1) / kRowPassRows;
   l.row_passes.shape.threads = 4 * kRowPassRows;
 }

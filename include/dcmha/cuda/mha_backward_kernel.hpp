@@ -1,19 +1,21 @@
 #pragma once
 // MHA's backward in one pass over the keys (FlashAttention-2's): bf16 and fp16, head dims up to
-// 128, given the forward's output, when the call allows an unordered sum (LaunchOptions::
-// deterministic false). Three launches:
+// 128, given the forward's output (LaunchOptions::one_pass). Its launches:
 //
-//   sum_row_dots       D = rowsum(dO O) of every row into the scratch; the row's dQ sum zeroed.
+//   sum_row_dots       D = rowsum(dO O) of every row into the scratch; the row's dQ sums zeroed.
 //   MhaBackwardKernel  a block per (128 keys, head, sequence) over the 64-row query tiles that
 //                      see its keys: S = Q K^T and dP = dO V^T, P and dS = P (dP - D) into shared
 //                      memory, dV += P^T dO and dK += dS^T Q held in registers, and dQ += dS K
-//                      added to the scratch atomically (red.global.add).
-//   store_query_grads  dQ = scale * the sum, in the storage type.
+//                      added to the scratch (red.global.add). Launched in rounds of key_splits
+//                      key blocks (one round where the order may vary).
+//   store_query_grads  dQ = scale * the sums, added in split order, in the storage type.
 //
 // Its warps take 32 x 32 blocks of each product (the two-kernel backward's take 16 keys or rows
 // by a whole tile), which reads each operand from shared memory about half as often, and dQ
-// costs no second walk over the keys; the price is dQ's order of summation, which varies from
-// run to run.
+// costs no second walk over the keys. Deterministic, block x of every round adds to dQ sums of
+// its own: each element is added to by one thread a round, the rounds in stream order. (A block
+// that walked its split's key blocks itself would save the launches, but the loop makes ptxas
+// spill at head dim 128.) Unordered, one round's blocks all add to one sum.
 #include "backward_kernel.hpp"
 
 namespace dcmha::cuda {
@@ -25,7 +27,7 @@ DCMHA_INLINE index_t row_pass_row(const Block& blk, const detail::AttentionDims&
   return row < d.B * d.H * d.T ? row : -1;
 }
 
-/// Pass 1: D = sum over d of dO O per row into scratch.row_dot, and the row's dQ sum zeroed.
+/// Pass 1: D = sum over d of dO O per row into scratch.row_dot, and the row's dQ sums zeroed.
 template <class Block, class T>
 DCMHA_INLINE void sum_row_dots(const Block& blk, const detail::BackwardParams<T>& p,
                                const BackwardScratch& scratch) {
@@ -40,11 +42,13 @@ DCMHA_INLINE void sum_row_dots(const Block& blk, const detail::BackwardParams<T>
   const float dot = quad_sum(blk, sum);  // every lane of the warp: a shuffle takes them all
   if (row < 0) return;
   if (part == 0) blk.store_global(scratch.row_dot + row, dot);
-  for (index_t d = part; d < p.dims.D; d += 4)
-    blk.store_global(scratch.dq_sum + row * p.dims.D + d, 0.0f);
+  const index_t rows = p.dims.B * p.dims.H * p.dims.T;
+  for (int split = 0; split < scratch.dq_sums; ++split)
+    for (index_t d = part; d < p.dims.D; d += 4)
+      blk.store_global(scratch.dq_sum + (split * rows + row) * p.dims.D + d, 0.0f);
 }
 
-/// Pass 3: dQ = scale * the atomic sums, rows past the query length 0.
+/// Pass 3: dQ = scale * the splits' sums added in split order, rows past the query length 0.
 template <class Block, class T>
 DCMHA_INLINE void store_query_grads(const Block& blk, const detail::BackwardParams<T>& p,
                                     const BackwardScratch& scratch) {
@@ -52,9 +56,13 @@ DCMHA_INLINE void store_query_grads(const Block& blk, const detail::BackwardPara
   if (row < 0) return;
   const index_t t = row % p.dims.T, h = row / p.dims.T % p.dims.H, b = row / p.dims.T / p.dims.H;
   const float scale = float(p.scale);
-  for (index_t d = blk.thread() % 4; d < p.dims.D; d += 4)
-    blk.store_global(&p.dq(b, h, t, d),
-                     T(scale * blk.load_global(scratch.dq_sum + row * p.dims.D + d)));
+  const index_t rows = p.dims.B * p.dims.H * p.dims.T;
+  for (index_t d = blk.thread() % 4; d < p.dims.D; d += 4) {
+    float sum = 0.0f;
+    for (int split = 0; split < scratch.dq_sums; ++split)
+      sum += blk.load_global(scratch.dq_sum + (split * rows + row) * p.dims.D + d);
+    blk.store_global(&p.dq(b, h, t, d), T(scale * sum));
+  }
 }
 
 template <class T, int kHeadDim>
@@ -79,7 +87,7 @@ class MhaBackwardKernel : BackwardBlock<T, Block> {
   DCMHA_INLINE MhaBackwardKernel(const Block& blk, const detail::BackwardParams<T>& p,
                                  const BackwardGeometry& geo, const BackwardScratch& scratch)
       : Base(blk, p, geo), scratch_(scratch) {
-    s0_ = this->tile_ * kOnePassKeys;
+    s0_ = (geo.first_key_block + this->tile_) * kOnePassKeys;
     keys_real_ = p.dims.S - s0_ < kOnePassKeys ? int(p.dims.S - s0_) : kOnePassKeys;
   }
 
@@ -170,7 +178,9 @@ class MhaBackwardKernel : BackwardBlock<T, Block> {
     product_rows_cols(blk_, sh().dscores().head(0), r0, sh().k(0).head(0), 0, d0, kOnePassKeys, dq);
     const FragmentPlace f(blk_);
     const index_t qlen = this->query_length();
-    float* sums = scratch_.dq_sum + ((b_ * p_.dims.H + head_) * p_.dims.T + t0) * geo_.D;
+    const index_t split = geo_.split_sums ? this->tile_ : 0;
+    float* sums = scratch_.dq_sum +
+                  (((split * p_.dims.B + b_) * p_.dims.H + head_) * p_.dims.T + t0) * geo_.D;
     DCMHA_UNROLL
     for (int m = 0; m < kQueryGradRowTiles; ++m) DCMHA_UNROLL
     for (int j = 0; j < kQueryGradTiles; ++j) DCMHA_UNROLL
