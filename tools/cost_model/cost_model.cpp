@@ -117,20 +117,22 @@ void print_per_pair(const BenchmarkShape& s,
 }
 
 void print_plan(const Plans& p, bool dcmha) {
-  if (p.backward.one_pass) {
-    std::printf(
-        "  MHA one-pass backward plan: %d keys a block over %d-row query tiles, %lld B shared\n",
-        p.backward.key.rows, p.backward.key.stream_rows, (long long)p.backward.key.shared_bytes);
-    return;
-  }
   const auto& f = p.forward.geo;
   const auto& q = p.backward.query;
   const auto& k = p.backward.key;
   std::printf(
-      "  %s plan: forward %d rows x %d-block cluster, %d warps of %d rows, %lld B shared, %d "
-      "split(s); backward query side %d rows, key side %d keys, cluster %d, %lld / %lld B\n",
+      "  %s plan: forward %d rows x %d-block cluster, %d warps of %d rows, %lld B shared, "
+      "%d split(s); ",
       dcmha ? "DCMHA" : "MHA", f.rows, f.cluster, f.warps, f.warp_rows, (long long)f.shared_bytes,
-      f.splits, q.rows, k.rows, q.cluster, (long long)q.shared_bytes, (long long)k.shared_bytes);
+      f.splits);
+  if (p.backward.one_pass)
+    std::printf(
+        "backward in one pass, %d keys a block over %d-row query tiles, %lld B shared, "
+        "%d split(s) a round, %d rounds\n",
+        k.rows, k.stream_rows, (long long)k.shared_bytes, k.key_splits, p.backward.key_rounds);
+  else
+    std::printf("backward query side %d rows, key side %d keys, cluster %d, %lld / %lld B\n",
+                q.rows, k.rows, q.cluster, (long long)q.shared_bytes, (long long)k.shared_bytes);
 }
 
 double percent(double part, double whole) { return whole > 0 ? 100.0 * part / whole : 0.0; }
@@ -188,7 +190,7 @@ class RunCache {
  public:
   EmulatedWork work(const BenchmarkShape& s) {
     const Plans plans = plans_of(s);
-    std::vector<EmulatedRuns>& kept = s.dcmha ? dcmha_ : s.one_pass ? one_pass_ : mha_;
+    std::vector<EmulatedRuns>& kept = s.dcmha ? dcmha_ : s.two_sided ? two_sided_ : mha_;
     for (const EmulatedRuns& r : kept)
       if (same_blocks(r.plans, plans)) return emulated_work(s, r);
     kept.push_back(emulated_runs(s, plans));
@@ -196,14 +198,14 @@ class RunCache {
   }
 
  private:
-  std::vector<EmulatedRuns> mha_, one_pass_, dcmha_;
+  std::vector<EmulatedRuns> mha_, two_sided_, dcmha_;
 };
 
-/// Every case at one shape: ours emulated (MHA, MHA with its one-pass backward, DCMHA) and
+/// Every case at one shape: ours emulated (MHA, MHA with its two-sided backward, DCMHA) and
 /// FlashAttention-2's MHA counted.
 struct ShapeModel {
   BenchmarkShape s;  // MHA's backward shape
-  EmulatedWork mha, one_pass, dcmha;
+  EmulatedWork mha, two_sided, dcmha;
   Work fa2_forward, fa2_backward;
 };
 
@@ -212,9 +214,9 @@ ShapeModel shape_model(index_t T, index_t head_dim, RunCache& cache) {
   BenchmarkShape s;
   s.T = T, s.D = head_dim;
   m.mha = cache.work(s);
-  s.one_pass = true;
-  m.one_pass = cache.work(s);
-  s.one_pass = false, s.dcmha = true;
+  s.two_sided = true;
+  m.two_sided = cache.work(s);
+  s.two_sided = false, s.dcmha = true;
   m.dcmha = cache.work(s);
   s.dcmha = false;
   m.fa2_forward = flash_forward(s);
@@ -228,16 +230,16 @@ ShapeModel shape_model(index_t T, index_t head_dim, RunCache& cache) {
 void print_table(const ShapeModel& m) {
   const Modeled fa2_fwd = flash(m.fa2_forward);
   Modeled fa2_all = fa2_fwd, mha_all = ours(m.mha.forward), dcmha_all = ours(m.dcmha.forward);
-  Modeled one_pass_all = ours(m.mha.forward);
+  Modeled two_sided_all = ours(m.mha.forward);
   fa2_all += flash(m.fa2_backward), mha_all += ours(m.mha.backward);
-  dcmha_all += ours(m.dcmha.backward), one_pass_all += ours(m.one_pass.backward);
+  dcmha_all += ours(m.dcmha.backward), two_sided_all += ours(m.two_sided.backward);
   const std::string shape = "T" + std::to_string(m.s.T);
   std::printf("\nbf16 B4/H32/D%lld %s causal (ms, overlapped / serialized)\n", (long long)m.s.D,
               shape.c_str());
   std::printf("| case | FA2 MHA | ours | ours / FA2 | target |\n|---|---|---|---|---|\n");
   print_row("MHA forward " + shape, fa2_fwd, ours(m.mha.forward), 1.3);
   print_row("MHA forward+backward " + shape, fa2_all, mha_all, 1.3);
-  print_row("MHA forward+backward, one pass " + shape, fa2_all, one_pass_all, 1.3);
+  print_row("MHA forward+backward, two-sided " + shape, fa2_all, two_sided_all, 1.3);
   print_row("DCMHA forward " + shape, fa2_fwd, ours(m.dcmha.forward), 2.0);
   print_row("DCMHA forward+backward " + shape, fa2_all, dcmha_all, 2.5);
 }
@@ -249,22 +251,22 @@ void print_breakdown(const ShapeModel& m) {
   print_units("FA2 MHA backward", flash(m.fa2_backward));
   print_units("our MHA forward", ours(m.mha.forward));
   print_units("our MHA backward", ours(m.mha.backward));
-  print_units("our MHA backward, one pass", ours(m.one_pass.backward));
+  print_units("our MHA backward, two-sided", ours(m.two_sided.backward));
   print_units("our DCMHA forward", ours(m.dcmha.forward));
   print_units("our DCMHA backward", ours(m.dcmha.backward));
   std::printf("kernels, overlapped:\n");
   print_kernels("our MHA backward", m.mha.backward);
-  print_kernels("our MHA backward, one pass", m.one_pass.backward);
+  print_kernels("our MHA backward, two-sided", m.two_sided.backward);
   print_kernels("our DCMHA backward", m.dcmha.backward);
   print_per_pair(m.s, {{"FA2 MHA forward", &m.fa2_forward},
                        {"our MHA forward", &m.mha.forward.total},
                        {"our DCMHA forward", &m.dcmha.forward.total},
                        {"FA2 MHA backward", &m.fa2_backward},
                        {"our MHA backward", &m.mha.backward.total},
-                       {"our MHA backward, one pass", &m.one_pass.backward.total},
+                       {"our MHA backward, two-sided", &m.two_sided.backward.total},
                        {"our DCMHA backward", &m.dcmha.backward.total}});
   print_plan(m.mha.plans, false);
-  print_plan(m.one_pass.plans, false);
+  print_plan(m.two_sided.plans, false);
   print_plan(m.dcmha.plans, true);
 }
 
@@ -273,7 +275,7 @@ void model(index_t T, index_t head_dim, RunCache& cache, bool sites) {
   print_table(m);
   print_breakdown(m);
   const double fit =
-      std::max({m.mha.forward.fit_error, m.mha.backward.fit_error, m.one_pass.backward.fit_error,
+      std::max({m.mha.forward.fit_error, m.mha.backward.fit_error, m.two_sided.backward.fit_error,
                 m.dcmha.forward.fit_error, m.dcmha.backward.fit_error});
   const auto& lengths = m.dcmha.lengths;
   std::printf(
@@ -287,7 +289,7 @@ void model(index_t T, index_t head_dim, RunCache& cache, bool sites) {
                              std::to_string(fit));
   if (sites) {
     print_sites("MHA", m.mha);
-    print_sites("MHA one-pass", m.one_pass);
+    print_sites("MHA two-sided", m.two_sided);
     print_sites("DCMHA", m.dcmha);
   }
 }

@@ -97,7 +97,8 @@ struct Plans {
     cuda::LaunchOptions o;
     o.rows = backward.query.rows, o.key_rows = backward.key.rows;
     o.cluster = backward.query.cluster;
-    o.deterministic = !backward.one_pass;
+    o.one_pass = backward.one_pass;
+    if (backward.one_pass) o.key_splits = backward.key.key_splits;
     return o;
   }
 };
@@ -134,7 +135,7 @@ inline Plans plans_of(const BenchmarkShape& s) {
   p.forward =
       cuda::forward_launch(fn, detail::forward_params<bf16>(fn, causal(), q, k, v, out, lse, c));
   cuda::LaunchOptions backward;
-  backward.deterministic = !s.one_pass;
+  backward.one_pass = !s.two_sided;
   p.backward = cuda::backward_launch(
       fn, detail::backward_params<bf16>(fn, causal(), q, k, v, lse, dout, dq, dk, dv, c, g, out),
       backward);
@@ -275,7 +276,7 @@ inline bool same_blocks(const Plans& a, const Plans& b) {
   const cuda::LaunchOptions p = a.backward_options(), q = b.backward_options();
   return f.rows == g.rows && f.cluster == g.cluster && f.key_splits == g.key_splits &&
          p.rows == q.rows && p.key_rows == q.key_rows && p.cluster == q.cluster &&
-         p.deterministic == q.deterministic;
+         p.one_pass == q.one_pass && p.key_splits == q.key_splits;
 }
 
 /// Our kernels' forward and backward at shape s (s.backward is ignored).
@@ -296,6 +297,12 @@ inline EmulatedWork emulated_work(BenchmarkShape s, const EmulatedRuns& runs) {
     s.backward = op == 1;
     (op == 0 ? result.forward : result.backward) =
         extrapolated_operation(s, runs.lengths, {c[0][op], c[1][op], c[2][op], c[3][op]});
+  }
+  const cuda::BackwardLaunch& b = runs.plans.backward;
+  if (b.one_pass) {  // O read for the row dots (as FA2's), dQ's float sums zeroed and read back
+    const double tokens = double(s.B) * double(s.H) * double(s.T),
+                 sums = b.key.split_sums ? b.key.key_splits : 1;
+    result.backward.total.hbm_bytes += tokens * double(s.D) * (2 + 2 * 4 * sums);
   }
   return result;
 }

@@ -14,8 +14,8 @@ namespace dcmha::cost_model {
 struct BenchmarkShape {
   index_t B = 4, H = 32, T = 2048, D = 128, R = 2;
   bool dcmha = false;
-  bool backward = false;  // the backward alone (its forward is modeled apart)
-  bool one_pass = false;  // MHA's backward in one pass, dQ summed atomically (deterministic off)
+  bool backward = false;   // the backward alone (its forward is modeled apart)
+  bool two_sided = false;  // MHA's backward on two sides (LaunchOptions::one_pass false)
 
   std::string name() const {
     return std::string(backward ? "backward" : "forward") + " " + (dcmha ? "DCMHA" : "MHA") + " T" +
@@ -68,9 +68,7 @@ inline double compulsory_bytes(const BenchmarkShape& s) {
   if (!s.backward) return 3 * row + terms + row + lse;  // q, k, v, terms; out, lse
   // q, k, v, dout, lse, terms; dq, dk, dv, the terms' gradients; row dots written and read.
   const double both = 4 * row + lse + terms + 3 * row + terms + 2 * lse;
-  // One pass: O read for the row dots (as FlashAttention-2's), dQ's float sums written (zeroed)
-  // and read back.
-  return s.one_pass ? both + row + 2 * tokens * double(s.D) * 4 : both;
+  return both;
 }
 
 }  // namespace dcmha::cost_model
