@@ -597,8 +597,8 @@ TEST(CudaKernelsEmulated, OnePassPlans) {
 }
 
 TEST(CudaKernelsEmulated, OnePassKeySplitsAndWhereItRuns) {
-  // Splits: as forced, at most one per key block; few heads, 132 blocks' worth, at most one per
-  // key block; more heads than 132, one. The one pass only where it applies.
+  // Splits: as forced, at most one per key block; few heads, 132 blocks' worth, at most 16 and
+  // one per key block; more heads than 132, one. The one pass only where it applies.
   static const bf16 given_output{};
   dcmha::detail::BackwardParams<bf16> b;
   b.dims = {4, 32, 32, 4096, 4096, 128, 128, 32, 1};
@@ -610,9 +610,11 @@ TEST(CudaKernelsEmulated, OnePassKeySplitsAndWhereItRuns) {
   EXPECT_EQ(five.key_rounds, 7);  // 32 key blocks
   dcmha::detail::BackwardParams<bf16> few = b;
   few.dims.B = 1, few.dims.H = few.dims.Hk = 4, few.dims.G = 4;
-  EXPECT_EQ(dcmha::cuda::backward_launch("plan", few).key.key_splits, 32);  // 4096 / 128 keys
-  few.dims.T = few.dims.S = 65536;
-  EXPECT_EQ(dcmha::cuda::backward_launch("plan", few).key.key_splits, 33);  // 132 / 4 heads
+  EXPECT_EQ(dcmha::cuda::backward_launch("plan", few).key.key_splits, 16);  // the most
+  few.dims.H = few.dims.Hk = few.dims.G = 12;
+  EXPECT_EQ(dcmha::cuda::backward_launch("plan", few).key.key_splits, 11);  // 132 / 12 heads
+  few.dims.T = few.dims.S = 1000;
+  EXPECT_EQ(dcmha::cuda::backward_launch("plan", few).key.key_splits, 8);  // 1000 / 128 keys
   few.dims.H = few.dims.Hk = few.dims.G = 160;
   EXPECT_EQ(dcmha::cuda::backward_launch("plan", few).key.key_splits, 1);
   forced.key_splits = 1000;

@@ -315,13 +315,18 @@ inline BackwardScratch carve_scratch(float* base, const BackwardScratchSizes& s)
 /// multiprocessors (one block each). Fixed rather than the device's count, so that the order of
 /// dQ's sums, and so its bits, depend on the problem alone.
 constexpr index_t kOnePassBlocks = 132;
+/// Planned key splits at most: each split keeps a float dQ of its own in the workspace (16 of
+/// them, 32 times a bf16 dQ), which few heads on long sequences would otherwise multiply.
+constexpr index_t kMostOnePassSplits = 16;
 
 /// Key splits of the one pass (the blocks of a head in one round): every key block (unordered:
 /// one round), else as many as the heads and sequences fit in kOnePassBlocks blocks (a wave;
-/// rounding up would add a partial second), or as forced; at least 1, at most the key blocks.
+/// rounding up would add a partial second) up to kMostOnePassSplits, or as forced; at least 1,
+/// at most the key blocks.
 inline index_t one_pass_splits(const detail::AttentionDims& d, const LaunchOptions& opt) {
   const index_t key_blocks = (d.S + kOnePassKeys - 1) / kOnePassKeys;
-  index_t splits = opt.deterministic ? kOnePassBlocks / (d.B * d.H) : key_blocks;
+  index_t splits =
+      opt.deterministic ? std::min(kOnePassBlocks / (d.B * d.H), kMostOnePassSplits) : key_blocks;
   if (opt.key_splits > 0) splits = opt.key_splits;
   return std::max<index_t>(1, std::min(splits, key_blocks));
 }
