@@ -88,6 +88,8 @@ class MhaBackwardKernel : BackwardBlock<T, Block> {
                                  const BackwardGeometry& geo, const BackwardScratch& scratch)
       : Base(blk, p, geo), scratch_(scratch) {
     s0_ = (geo.first_key_block + this->tile_) * kOnePassKeys;
+    // A last round's block past the last key block (keys_real_ <= 0) stages only zeros, meets no
+    // query tile and stores nothing.
     keys_real_ = p.dims.S - s0_ < kOnePassKeys ? int(p.dims.S - s0_) : kOnePassKeys;
   }
 
