@@ -120,11 +120,9 @@ void run_backward_kernels(const char* fn, const detail::BackwardParams<T>& p,
                           cudaStream_t stream) {
   if constexpr (kOnePassHeadDim<T, kHeadDim>) {
     if (l.one_pass) {
-      for (int round = 0; round < l.key_rounds; ++round) {
-        BackwardGeometry geo = l.key;
-        geo.first_key_block = round * geo.key_splits;
-        launch(fn, mha_backward_kernel<T, kHeadDim>, l.key_blocks, stream, p, geo, scratch);
-      }
+      for (int round = 0; round < l.key_rounds; ++round)
+        launch(fn, mha_backward_kernel<T, kHeadDim>, l.key_blocks, stream, p,
+               l.round_geometry(round), scratch);
       return;
     }
   }

@@ -101,8 +101,7 @@ void run_one_pass(const detail::BackwardParams<T>& p, const BackwardLaunch& l,
     constexpr int kHeadDim = decltype(head_dim)::value;
     if constexpr (kOnePassHeadDim<T, kHeadDim>)
       for (int round = 0; round < l.key_rounds; ++round) {
-        BackwardGeometry geo = l.key;
-        geo.first_key_block = round * geo.key_splits;
+        const BackwardGeometry geo = l.round_geometry(round);
         emulator::launch("backward_one_pass", l.key_blocks.shape, [&](const HostBlock& blk) {
           MhaBackwardKernel<T, kHeadDim, HostBlock>(blk, p, geo, scratch).run();
         });

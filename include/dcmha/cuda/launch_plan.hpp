@@ -274,6 +274,13 @@ struct BackwardLaunch {
   KernelLaunch row_passes;   // one pass: the row dots before it, dQ after it
   KernelLaunch static_sums;  // one block per (side, group), where a side has a static W
   KernelLaunch head_sums;    // one block per (kv head, sequence), with GQA
+
+  /// The one pass's geometry for round `round`: its first key block set.
+  BackwardGeometry round_geometry(int round) const {
+    BackwardGeometry g = key;
+    g.first_key_block = round * g.key_splits;
+    return g;
+  }
 };
 
 /// Elements of each backward scratch array (floats).
@@ -294,8 +301,10 @@ inline BackwardScratchSizes backward_scratch_sizes(const detail::AttentionDims& 
     s.dk = d.B * d.H * d.S * d.D;
     s.dv = d.B * d.H * d.S * d.Dv;
   }
-  if (l.one_pass) s.dq_sums = l.key.split_sums ? l.key.key_splits : 1;
-  if (l.one_pass) s.dq_sum = s.dq_sums * d.B * d.H * d.T * d.D;
+  if (l.one_pass) {
+    s.dq_sums = l.key.split_sums ? l.key.key_splits : 1;
+    s.dq_sum = s.dq_sums * d.B * d.H * d.T * d.D;
+  }
   return s;
 }
 
@@ -323,8 +332,8 @@ constexpr index_t kMostOnePassSplits = 16;
 /// one round), else as many as the heads and sequences fit in kOnePassBlocks blocks (a wave;
 /// rounding up would add a partial second) up to kMostOnePassSplits, or as forced; at least 1,
 /// at most the key blocks.
-inline index_t one_pass_splits(const detail::AttentionDims& d, const LaunchOptions& opt) {
-  const index_t key_blocks = (d.S + kOnePassKeys - 1) / kOnePassKeys;
+inline index_t one_pass_splits(const detail::AttentionDims& d, index_t key_blocks,
+                               const LaunchOptions& opt) {
   index_t splits =
       opt.deterministic ? std::min(kOnePassBlocks / (d.B * d.H), kMostOnePassSplits) : key_blocks;
   if (opt.key_splits > 0) splits = opt.key_splits;
@@ -349,9 +358,9 @@ void plan_one_pass(const detail::BackwardParams<T>& p, const BackwardGeometry& b
     return 0;
   });
   if (g.shared_bytes > opt.device.shared_bytes) return;
-  g.key_splits = int(one_pass_splits(p.dims, opt));
-  g.split_sums = opt.deterministic;
   const index_t key_blocks = (p.dims.S + kOnePassKeys - 1) / kOnePassKeys;
+  g.key_splits = int(one_pass_splits(p.dims, key_blocks, opt));
+  g.split_sums = opt.deterministic;
   l.key_rounds = int((key_blocks + g.key_splits - 1) / g.key_splits);
   l.one_pass = true;
   l.key = g;
