@@ -391,4 +391,47 @@ TEST(CudaEmulator, CountsEachPeerWordOnce) {
   EXPECT_EQ(c.peer_shared_bytes, 2u * 4u * (32u + 4u + 16u));
 }
 
+TEST(CudaEmulator, PairedReductionsAndTheAlignmentOfGlobalAccesses) {
+  // red.global.add.v2.f32 adds two floats as one 8-byte access (a warp's 32 pairs: 8 sectors);
+  // a global access whose address is not a multiple of its size faults on the device and fails
+  // here, naming the site.
+  alignas(32) float sums[64] = {};
+  em::Counting::enabled() = true;
+  const em::Counters c = run(32, 0, [&](const HostBlock& blk) {
+    const int l = blk.thread();
+    blk.atomic_add_global_pair(&sums[2 * l], float(l), -float(l));
+    blk.atomic_add_global_pair(&sums[2 * l], 0.5f, 0.25f);
+  });
+  em::Counting::enabled() = false;
+  for (int l = 0; l < 32; ++l) {
+    EXPECT_EQ(sums[2 * l], float(l) + 0.5f) << l;
+    EXPECT_EQ(sums[2 * l + 1], -float(l) + 0.25f) << l;
+  }
+  EXPECT_EQ(c.global_store_sectors, 2u * 8u);
+  EXPECT_EQ(c.global_store_bytes, 2u * 256u);
+  EXPECT_EQ(c.unordered_adds, 0u);  // one block
+  EXPECT_NE(failure_of(32,
+                       [&](const HostBlock& blk) {
+                         blk.atomic_add_global_pair(&sums[1 + 2 * blk.thread()], 1.0f, 1.0f);
+                       })
+                .find("not 8-byte aligned"),
+            std::string::npos);
+  alignas(8) std::uint16_t halves[80] = {};
+  EXPECT_NE(failure_of(32,
+                       [&](const HostBlock& blk) {
+                         blk.store_global(
+                             reinterpret_cast<std::uint32_t*>(&halves[1 + 2 * blk.thread()]),
+                             std::uint32_t(1));
+                       })
+                .find("not 4-byte aligned"),
+            std::string::npos);
+  EXPECT_EQ(failure_of(32,
+                       [&](const HostBlock& blk) {
+                         blk.store_global(
+                             reinterpret_cast<std::uint32_t*>(&halves[2 * blk.thread()]),
+                             std::uint32_t(1));
+                       }),
+            "");
+}
+
 }  // namespace

@@ -9,8 +9,8 @@
 //                barrier.cluster arrive.release + wait.acquire)
 //   shared       shared() (dynamic shared memory), peer_shared(p, rank) (the same offset in
 //                cluster block `rank`'s shared memory), load_shared / store_shared
-//   global       load_global / store_global, atomic_add_global (float, red.global.add: the
-//                one unordered sum, MHA's dQ when a call allows it)
+//   global       load_global / store_global, atomic_add_global and atomic_add_global_pair
+//                (float, red.global.add, .v2 on sm_90: MHA's dQ sums)
 //   warp         shfl_xor, ldmatrix_x4 / _x2 (and .trans), mma_bf16 / mma_f16
 //                (mma.sync.m16n8k16, f32 accumulators, d += a b)
 //   async        cp_async_16 (cp.async.cg, 16 bytes, zeros where not valid), cp_async_commit,
@@ -122,6 +122,14 @@ struct DeviceBlock {
     *p = v;
   }
   __device__ void atomic_add_global(float* p, float v) const { atomicAdd(p, v); }
+  /// p[0] += x, p[1] += y, p 8-byte aligned: one 8-byte red on sm_90, two 4-byte ones before.
+  __device__ void atomic_add_global_pair(float* p, float x, float y) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(p), "f"(x), "f"(y) : "memory");
+#else
+    atomicAdd(p, x), atomicAdd(p + 1, y);
+#endif
+  }
   __device__ void count_fma(index_t) const {}
   __device__ void count_exp(index_t) const {}
 

@@ -14,7 +14,8 @@
 //   - collectives: every lane of a warp must reach the same one (same instruction, same call
 //     site), every thread of a block the same barrier; a lane that exits while others wait, or a
 //     schedule where nobody can go on, is an error;
-//   - ldmatrix / cp.async alignment, accesses outside the block's shared memory, and accesses to
+//   - ldmatrix, cp.async and global-access alignment, accesses outside the block's shared memory,
+//   and accesses to
 //     a cluster peer's shared memory after all of its threads have exited.
 // Races are collected and thrown together (std::logic_error) after the launch; the other errors
 // stop it at once.
@@ -226,12 +227,19 @@ class HostBlock {
   /// The device's atomicAdd: the lanes run one at a time, so a read and a write (counted as one
   /// store: a reduction in L2).
   void atomic_add_global(float* p, float v, Site site = Site::here()) const;
+  /// sm_90's red.global.add.v2.f32: one 8-byte access, p 8-byte aligned.
+  void atomic_add_global_pair(float* p, float x, float y, Site site = Site::here()) const;
 
   void count_fma(index_t n) const;
   void count_exp(index_t n) const;
 
  private:
   void ldmatrix(std::uint32_t* r, int count, bool trans, const void* row, Site site) const;
+  // Counts an atomic add to p by another block of the launch than the last (unordered_adds).
+  void note_adder(const float* p) const;
+  // A misaligned global access faults on the device: here it fails the launch.
+  void check_global_alignment(const void* p, std::size_t bytes, std::size_t alignment,
+                              Site site) const;
   void mma(MmaType type, float (&d)[4], const std::uint32_t (&a)[4], const std::uint32_t (&b)[2],
            Site site) const;
   void wait_copies(int n, Site site) const;
@@ -787,6 +795,7 @@ void HostBlock::store_shared(U* p, const U& v, Site site) const {
 
 template <class U>
 U HostBlock::load_global(const U* p, Site site) const {
+  check_global_alignment(p, sizeof(U), alignof(U), site);
   if (Counting::enabled())
     run_->lane(lane_).log.push_back(
         {p, std::uint32_t(sizeof(U)), false, false, false, site.file, site.line});
@@ -797,6 +806,7 @@ U HostBlock::load_global(const U* p, Site site) const {
 
 template <class U>
 void HostBlock::store_global(U* p, const U& v, Site site) const {
+  check_global_alignment(p, sizeof(U), alignof(U), site);
   if (Counting::enabled())
     run_->lane(lane_).log.push_back(
         {p, std::uint32_t(sizeof(U)), false, true, false, site.file, site.line});
@@ -807,10 +817,30 @@ inline void HostBlock::atomic_add_global(float* p, float v, Site site) const {
   if (Counting::enabled())
     run_->lane(lane_).log.push_back(
         {p, std::uint32_t(sizeof(float)), false, true, false, site.file, site.line});
+  note_adder(p);
+  *p += v;
+}
+
+inline void HostBlock::check_global_alignment(const void* p, std::size_t bytes,
+                                              std::size_t alignment, Site site) const {
+  if (reinterpret_cast<std::uintptr_t>(p) % alignment != 0)
+    run_->fail("a global access of " + std::to_string(bytes) + " bytes at " + site.str() +
+               ": the address is not " + std::to_string(alignment) + "-byte aligned");
+}
+
+inline void HostBlock::atomic_add_global_pair(float* p, float x, float y, Site site) const {
+  check_global_alignment(p, 2 * sizeof(float), 2 * sizeof(float), site);
+  if (Counting::enabled())
+    run_->lane(lane_).log.push_back(
+        {p, std::uint32_t(2 * sizeof(float)), false, true, false, site.file, site.line});
+  note_adder(p), note_adder(p + 1);
+  p[0] += x, p[1] += y;
+}
+
+inline void HostBlock::note_adder(const float* p) const {
   const index_t adder = (block(2) * run_->shape_.y + block(1)) * run_->shape_.x + block(0);
   const auto [last, first] = run_->last_adder_.try_emplace(p, adder);
   if (!first && last->second != adder) ++run_->counters_.unordered_adds, last->second = adder;
-  *p += v;
 }
 
 inline void HostBlock::count_fma(index_t n) const {
