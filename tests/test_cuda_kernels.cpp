@@ -284,6 +284,10 @@ TEST(CudaKernelsEmulated, MhaBackwardInOnePass) {
   // take part in the row dots' shuffles.
   s.T = s.S = 33;
   check_case<bf16>(dcmha::test::with_launch(s), seed++);
+  // Odd head dims: a lane's pair of dQ columns may straddle two rows of the sums (added one by
+  // one), and dK's, dV's and the output's pairs their rows' ends.
+  s.D = 33, s.Dv = 31, s.T = 90, s.S = 150;
+  check_case<half>(dcmha::test::with_launch(s), seed++);
 }
 
 /// The one pass's launch counts after an emulated backward of case c.

@@ -153,20 +153,27 @@ class BackwardBlock {
     blk_.cp_async_commit();
   }
 
-  /// Element (s, d) of the head's dK (times the scale) and dV, 0 past the key length (`real`
-  /// false): into dk and dv, or with GQA into the per-head scratch.
+  /// Elements (s, d) and (s, d + 1) of the head's dK (times the scale) and dV (a lane's column
+  /// pair, d even), 0 past the key length (`real` false): into dk and dv, or with GQA into the
+  /// per-head scratch.
   DCMHA_INLINE void store_key_grads(const BackwardScratch& scratch, index_t s, int d, bool real,
-                                    float dk, float dv) const {
-    dk = real ? scale() * dk : 0.0f, dv = real ? dv : 0.0f;
+                                    FloatPair dk, FloatPair dv) const {
+    dk = real ? FloatPair{scale() * dk.x, scale() * dk.y} : FloatPair{0.0f, 0.0f};
+    dv = real ? dv : FloatPair{0.0f, 0.0f};
+    const bool k_pair = d + 1 < geo_.D, v_pair = d + 1 < geo_.Dv;
     if (geo_.dkv_per_head) {
       const index_t row = (b_ * p_.dims.H + head_) * p_.dims.S + s;
-      if (d < geo_.D) blk_.store_global(scratch.dk + row * geo_.D + d, dk);
-      if (d < geo_.Dv) blk_.store_global(scratch.dv + row * geo_.Dv + d, dv);
+      float* dk_at = scratch.dk + row * geo_.D + d;
+      float* dv_at = scratch.dv + row * geo_.Dv + d;
+      if (d < geo_.D) store_column_pair(blk_, dk_at, dk.x, dk.y, k_pair);
+      if (d < geo_.Dv) store_column_pair(blk_, dv_at, dv.x, dv.y, v_pair);
       return;
     }
     const index_t kv = head_ / (p_.dims.H / p_.dims.Hk);
-    if (d < geo_.D) blk_.store_global(&p_.dk(b_, kv, s, d), T(dk));
-    if (d < geo_.Dv) blk_.store_global(&p_.dv(b_, kv, s, d), T(dv));
+    T* dk_at = &p_.dk(b_, kv, s, d);
+    T* dv_at = &p_.dv(b_, kv, s, d);
+    if (d < geo_.D) store_column_pair(blk_, dk_at, T(dk.x), T(dk.y), k_pair);
+    if (d < geo_.Dv) store_column_pair(blk_, dv_at, T(dv.x), T(dv.y), v_pair);
   }
 
   /// What the chain on the block's region reads and writes.
@@ -950,11 +957,12 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     const index_t klen = this->key_length();
     DCMHA_UNROLL
     for (int j = 0; j < kDimTiles; ++j) DCMHA_UNROLL
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4; i += 2) {
       const int r = row0_ + f.row(i), d = 8 * j + f.column(i);
       if (r >= keys_real_) continue;
       const index_t s = s0_ + r;
-      this->store_key_grads(scratch_, s, d, s < klen, dk_.c[j][i], dv_.c[j][i]);
+      this->store_key_grads(scratch_, s, d, s < klen, {dk_.c[j][i], dk_.c[j][i + 1]},
+                            {dv_.c[j][i], dv_.c[j][i + 1]});
     }
     this->store_weight_grads(sh(), s0_, keys_real_, this->key_length());
   }

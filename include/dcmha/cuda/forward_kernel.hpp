@@ -518,14 +518,18 @@ class ForwardKernel {
     DCMHA_UNROLL
     for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
     for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4; i += 2) {
       const int r = row0_ + 16 * m + f.row(i), e = 8 * j + f.column(i);
       if (r >= rows_real_ || e >= geo_.Dv) continue;
       const float sum = state_[m][i / 2].sum;
-      float x = out_[m].c[j][i];
-      if (normalize) x = sum > 0 ? x / sum : 0.0f;
-      if (t0_ + r >= qlen) x = 0.0f;  // padding rows: zero output
-      blk_.store_global(&p_.out(b_, head_, t0_ + r, e), T(x));
+      const bool padding = t0_ + r >= qlen;  // padding rows: zero output
+      const auto value = [&](float x) {
+        if (normalize) x = sum > 0 ? x / sum : 0.0f;
+        return T(padding ? 0.0f : x);
+      };
+      T* at = &p_.out(b_, head_, t0_ + r, e);
+      store_column_pair(blk_, at, value(out_[m].c[j][i]), value(out_[m].c[j][i + 1]),
+                        e + 1 < geo_.Dv);
     }
   }
 

@@ -11,9 +11,7 @@
 namespace dcmha::cuda {
 
 /// Two floats stored and loaded together (a fragment's pair of columns).
-struct alignas(8) FloatPair {
-  float x, y;
-};
+using FloatPair = ColumnPair<float>;
 
 /// tile(row0 + r, col0 + c) = scale * acc(r, c) for the warp's 16 x 8 kTiles block.
 template <int kTiles, class Block>

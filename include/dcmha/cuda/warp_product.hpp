@@ -14,6 +14,7 @@
 //
 // Fragments (PTX ISA, mma.m16n8k16): lane l, group g = l / 4, t = l % 4, holds of C the
 // elements (g, 2t), (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1) of each n8 tile.
+#include <cstdint>
 #include <type_traits>
 
 #include "../config.hpp"
@@ -46,6 +47,26 @@ struct FragmentPlace {
   DCMHA_INLINE int row(int i) const { return g + (i >= 2 ? 8 : 0); }
   DCMHA_INLINE int column(int i) const { return 2 * t + (i & 1); }
 };
+
+/// A lane's two adjacent columns of a fragment row (elements i and i + 1, i even), moved by one
+/// access of 2 sizeof(T) bytes.
+template <class T>
+struct alignas(2 * sizeof(T)) ColumnPair {
+  T x, y;
+};
+
+/// x into first[0] and, where `both`, y into first[1] (global memory: a row of unit stride, as
+/// validation requires of the head dim): one access where the pair is aligned (an even row
+/// length, an aligned base), two where not.
+template <class T, class Block>
+DCMHA_INLINE void store_column_pair(const Block& blk, T* first, T x, T y, bool both) {
+  if (both && reinterpret_cast<std::uintptr_t>(first) % sizeof(ColumnPair<T>) == 0) {
+    blk.store_global(reinterpret_cast<ColumnPair<T>*>(first), ColumnPair<T>{x, y});
+    return;
+  }
+  blk.store_global(first, x);
+  if (both) blk.store_global(first + 1, y);
+}
 
 namespace product_detail {
 
