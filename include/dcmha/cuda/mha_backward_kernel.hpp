@@ -43,9 +43,11 @@ DCMHA_INLINE void sum_row_dots(const Block& blk, const detail::BackwardParams<T>
   if (row < 0) return;
   if (part == 0) blk.store_global(scratch.row_dot + row, dot);
   const index_t rows = p.dims.B * p.dims.H * p.dims.T;
-  for (int split = 0; split < scratch.dq_sums; ++split)
-    for (index_t d = part; d < p.dims.D; d += 4)
-      blk.store_global(scratch.dq_sum + (split * rows + row) * p.dims.D + d, 0.0f);
+  for (int split = 0; split < scratch.dq_sums; ++split) {
+    float* sums = scratch.dq_sum + (split * rows + row) * p.dims.D;
+    for (index_t d = 2 * part; d < p.dims.D; d += 8)
+      store_column_pair(blk, sums + d, 0.0f, 0.0f, d + 1 < p.dims.D);
+  }
 }
 
 /// Pass 3: dQ = scale * the splits' sums added in split order, rows past the query length 0.
@@ -57,11 +59,16 @@ DCMHA_INLINE void store_query_grads(const Block& blk, const detail::BackwardPara
   const index_t t = row % p.dims.T, h = row / p.dims.T % p.dims.H, b = row / p.dims.T / p.dims.H;
   const float scale = float(p.scale);
   const index_t rows = p.dims.B * p.dims.H * p.dims.T;
-  for (index_t d = blk.thread() % 4; d < p.dims.D; d += 4) {
-    float sum = 0.0f;
-    for (int split = 0; split < scratch.dq_sums; ++split)
-      sum += blk.load_global(scratch.dq_sum + (split * rows + row) * p.dims.D + d);
-    blk.store_global(&p.dq(b, h, t, d), T(scale * sum));
+  // A quad's lanes take column pairs in turn: 8 bytes of sums, one store of dQ's pair.
+  for (index_t d = 2 * (blk.thread() % 4); d < p.dims.D; d += 8) {
+    const bool both = d + 1 < p.dims.D;
+    float x = 0.0f, y = 0.0f;
+    for (int split = 0; split < scratch.dq_sums; ++split) {
+      const FloatPair s =
+          load_column_pair(blk, scratch.dq_sum + (split * rows + row) * p.dims.D + d, both);
+      x += s.x, y += s.y;
+    }
+    store_column_pair(blk, &p.dq(b, h, t, d), T(scale * x), T(scale * y), both);
   }
 }
 

@@ -68,6 +68,14 @@ DCMHA_INLINE void store_column_pair(const Block& blk, T* first, T x, T y, bool b
   if (both) blk.store_global(first + 1, y);
 }
 
+/// first[0] and, where `both`, first[1] (else 0), loaded as store_column_pair stores them.
+template <class T, class Block>
+DCMHA_INLINE ColumnPair<T> load_column_pair(const Block& blk, const T* first, bool both) {
+  if (both && reinterpret_cast<std::uintptr_t>(first) % sizeof(ColumnPair<T>) == 0)
+    return blk.load_global(reinterpret_cast<const ColumnPair<T>*>(first));
+  return {blk.load_global(first), both ? blk.load_global(first + 1) : T(0)};
+}
+
 namespace product_detail {
 
 template <class T>
