@@ -48,8 +48,10 @@ template <class A, class At>
 DCMHA_INLINE SoftmaxState<A> merge_states(int n, At&& at) {
   using std::exp;
   SoftmaxState<A> total;
-  for (int j = 0; j < n; ++j)
-    if (at(j).max > total.max) total.max = at(j).max;
+  for (int j = 0; j < n; ++j) {
+    const A max = at(j).max;  // one read of state j: at() may load it from memory
+    if (max > total.max) total.max = max;
+  }
   for (int j = 0; j < n; ++j) {
     const SoftmaxState<A> s = at(j);
     if (!s.empty()) total.sum += s.sum * exp(s.max - total.max);
