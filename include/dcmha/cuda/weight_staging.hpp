@@ -29,17 +29,46 @@ DCMHA_INLINE void stage_query_weights(const Block& blk, const SideWeights<T>& w,
   });
 }
 
+/// Keys of a head one staging step takes together from a decode cache's slots (8 bytes of
+/// bf16 or fp16): a warp then loads 8 heads' runs and stores, its keys a half bank row apart in
+/// shared memory, at most two words a bank.
+constexpr int kSlotRun = 4;
+
+/// Item i of a key-wise staging as (key, term, head), its items `count`. From the caller's
+/// (B, S, G, M) tensors the heads go fastest, as they lie in global and shared memory; from a
+/// decode cache, whose slots lie side by side and heads a capacity apart, runs of kSlotRun keys
+/// of a head, then the heads, then the runs (keys past `keys` are skipped).
+struct KeyWeightOrder {
+  int keys, terms, M;
+  bool slots_adjacent;
+
+  DCMHA_INLINE int runs() const { return (keys + kSlotRun - 1) / kSlotRun; }
+  DCMHA_INLINE int count() const {
+    return slots_adjacent ? runs() * kSlotRun * terms * M : keys * terms * M;
+  }
+  DCMHA_INLINE void item(int i, int& key, int& term, int& m) const {
+    if (!slots_adjacent) {
+      key = i / (terms * M), term = i / M % terms, m = i % M;
+      return;
+    }
+    m = i / kSlotRun % M;
+    key = i % kSlotRun + kSlotRun * (i / (kSlotRun * M) % runs());
+    term = i / (kSlotRun * M * runs());
+  }
+};
+
 /// Key-wise weights of keys [s_first, s_first + keys) (logical; stored at ring slots), keys at or
 /// past `real_end` not real.
 template <class Block, class T>
 DCMHA_INLINE void stage_key_weights(const Block& blk, const SideWeights<T>& w,
                                     const ComposeTerms<T>& c, index_t b, index_t g, index_t s_first,
                                     int keys, index_t real_end, const detail::KeyRing& ring) {
-  const int M = w.M, Rk = int(w.terms.key_rank), terms = w.key_terms();
-  // Lanes take consecutive heads of a key, as the weights lie in global memory (coalesced) and in
-  // shared memory.
-  for_each_owned(blk, keys * terms * M, [&](int i) {
-    const int key = i / (terms * M), term = i / M % terms, m = i % M;
+  const int Rk = int(w.terms.key_rank);
+  const KeyWeightOrder order{keys, w.key_terms(), w.M, c.kdd.stride[1] == 1 && w.M > 1};
+  for_each_owned(blk, order.count(), [&](int i) {
+    int key = 0, term = 0, m = 0;
+    order.item(i, key, term, m);
+    if (key >= keys) return;
     const index_t s = s_first + key;
     T x(0.0f);
     if (s < real_end) {
