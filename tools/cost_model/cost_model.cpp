@@ -1,8 +1,9 @@
 // The CUDA kernels' cost model: our MHA and DCMHA forward and backward at the GPU benchmark's
 // shapes (bf16, B4/H32/D128, causal, T 2048 and 4096), from the emulator's counts (emulated
 // on small problems with the benchmark's launch plans, extrapolated in T), over the H200's
-// ceilings, beside FlashAttention-2's algorithm for MHA counted the same way. A model, not a
-// measurement: the GPU benchmark (scripts/gpu_check.sh) replaces it.
+// ceilings, beside FlashAttention-2's algorithm for MHA counted the same way; then a decode
+// step (B8/H32, a cache of 4096 keys) beside the time of reading its cache once from HBM. A
+// model, not a measurement: the GPU benchmark (scripts/gpu_check.sh) replaces it.
 //
 //   dcmha_cost_model [--sites] [--head-dim D] [T...]     (default: D 128, T 2048 4096)
 //
@@ -18,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "decode_work.hpp"
 #include "emulated_work.hpp"
 #include "flash_attention_model.hpp"
 #include "h200_model.hpp"
@@ -294,6 +296,52 @@ void model(index_t T, index_t head_dim, RunCache& cache, bool sites) {
   }
 }
 
+/// One decode row: ours against the floor of reading the cache (and the step's own tensors)
+/// once from HBM, which a decode kernel of any design needs.
+void print_decode_row(const char* what, const DecodeWork& w) {
+  const double floor = modeled_time(Work{0, 0, 0, 0, 0, 0, w.step.total.hbm_bytes}).hbm;
+  const Modeled m = ours(w.step);
+  std::printf("| %-12s | %7.3f | %7.3f / %7.3f | %5.2fx / %5.2fx |\n", what, ms(floor),
+              ms(m.overlapped), ms(m.serialized), m.overlapped / floor, m.serialized / floor);
+}
+
+/// The decode step of the GPU benchmark (B8/H32, a cache of 4096 keys, one new token).
+void model_decode(index_t head_dim) {
+  DecodeShape s;
+  s.D = head_dim;
+  const DecodeWork mha = decode_work(s);
+  s.dcmha = true;
+  const DecodeWork dcmha = decode_work(s);
+  std::printf(
+      "\ndecode, bf16 B%lld/H%lld/D%lld, a cache of %lld keys a sequence, one new token (ms, "
+      "overlapped / serialized)\n| case | HBM floor | ours | ours / floor |\n|---|---|---|---|\n",
+      (long long)s.B, (long long)s.H, (long long)s.D, (long long)s.S);
+  print_decode_row("MHA decode", mha);
+  print_decode_row("DCMHA decode", dcmha);
+  std::printf("units, summed over launches:\n");
+  print_units("our MHA decode", ours(mha.step));
+  print_units("our DCMHA decode", ours(dcmha.step));
+  std::printf("kernels, overlapped:\n");
+  print_kernels("our MHA decode", mha.step);
+  print_kernels("our DCMHA decode", dcmha.step);
+  for (const DecodeWork* w : {&mha, &dcmha}) {
+    const auto& g = w->plan.geo;
+    std::printf(
+        "  %s decode plan: %d rows x %d-block cluster, %d warps, %lld B shared, %d split(s)\n",
+        w == &mha ? "MHA" : "DCMHA", g.rows, g.cluster, g.warps, (long long)g.shared_bytes,
+        g.splits);
+  }
+  const double fit = std::max(mha.step.fit_error, dcmha.step.fit_error);
+  std::printf(
+      "  scaling check: counts emulated at S = %lld, %lld, %lld (DCMHA) predict S = %lld's "
+      "within %.2g (relative)\n",
+      (long long)dcmha.lengths[0], (long long)dcmha.lengths[1], (long long)dcmha.lengths[2],
+      (long long)dcmha.lengths[3], fit);
+  if (fit > kLargestFitError)
+    throw std::runtime_error("the decode scaling check failed: a count is off its line by " +
+                             std::to_string(fit));
+}
+
 /// The command line: --sites, --head-dim D and sequence lengths, each a positive integer.
 struct Arguments {
   bool sites = false;
@@ -364,6 +412,7 @@ int main(int argc, char** argv) {
   try {
     RunCache cache;
     for (index_t T : arguments.lengths) model(T, arguments.head_dim, cache, arguments.sites);
+    model_decode(arguments.head_dim);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dcmha_cost_model: %s\n", e.what());
     return 1;
