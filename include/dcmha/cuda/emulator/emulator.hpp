@@ -14,9 +14,9 @@
 //   - collectives: every lane of a warp must reach the same one (same instruction, same call
 //     site), every thread of a block the same barrier; a lane that exits while others wait, or a
 //     schedule where nobody can go on, is an error;
-//   - ldmatrix, cp.async and global-access alignment, accesses outside the block's shared memory,
-//   and accesses to
-//     a cluster peer's shared memory after all of its threads have exited.
+//   - the alignment of ldmatrix, cp.async and global accesses, accesses outside the block's
+//     shared memory, and accesses to a cluster peer's shared memory after all of its threads
+//     have exited.
 // Races are collected and thrown together (std::logic_error) after the launch; the other errors
 // stop it at once.
 //
