@@ -29,31 +29,26 @@ DCMHA_INLINE void stage_query_weights(const Block& blk, const SideWeights<T>& w,
   });
 }
 
-/// Keys of a head one staging step takes together from a decode cache's slots (8 bytes of
-/// bf16 or fp16): a warp then loads 8 heads' runs and stores, its keys a half bank row apart in
-/// shared memory, at most two words a bank.
-constexpr int kSlotRun = 4;
+/// Keys of a head one staging step takes together from a decode cache's slots, as a shift:
+/// runs of 4 (8 bytes of bf16 or fp16), so that a warp loads 8 heads' runs and stores, its keys
+/// a half bank row apart in shared memory, at most two words a bank.
+constexpr int kSlotRunShift = 2;
 
-/// Item i of a key-wise staging as (key, term, head), its items `count`. From the caller's
-/// (B, S, G, M) tensors the heads go fastest, as they lie in global and shared memory; from a
-/// decode cache, whose slots lie side by side and heads a capacity apart, runs of kSlotRun keys
-/// of a head, then the heads, then the runs (keys past `keys` are skipped).
+/// Item i of a key-wise staging as (key, term, head): runs of keys of one head (runs of one key
+/// from the caller's (B, S, G, M) tensors, whose heads lie side by side as in shared memory; of
+/// 1 << kSlotRunShift keys from a decode cache, whose slots lie side by side and heads a
+/// capacity apart), then the heads, then the runs, then the terms; keys past `keys` are
+/// skipped. One formula for both orders: a branch between two would hold both's registers.
 struct KeyWeightOrder {
-  int keys, terms, M;
-  bool slots_adjacent;
+  int keys, terms, M, shift;
 
-  DCMHA_INLINE int runs() const { return (keys + kSlotRun - 1) / kSlotRun; }
-  DCMHA_INLINE int count() const {
-    return slots_adjacent ? runs() * kSlotRun * terms * M : keys * terms * M;
-  }
+  DCMHA_INLINE int runs() const { return (keys + (1 << shift) - 1) >> shift; }
+  DCMHA_INLINE int count() const { return (runs() << shift) * terms * M; }
   DCMHA_INLINE void item(int i, int& key, int& term, int& m) const {
-    if (!slots_adjacent) {
-      key = i / (terms * M), term = i / M % terms, m = i % M;
-      return;
-    }
-    m = i / kSlotRun % M;
-    key = i % kSlotRun + kSlotRun * (i / (kSlotRun * M) % runs());
-    term = i / (kSlotRun * M * runs());
+    const int run = i >> shift, head_run = run / M;
+    m = run % M;
+    key = (i & ((1 << shift) - 1)) + (head_run % runs() << shift);
+    term = head_run / runs();
   }
 };
 
@@ -64,7 +59,8 @@ DCMHA_INLINE void stage_key_weights(const Block& blk, const SideWeights<T>& w,
                                     const ComposeTerms<T>& c, index_t b, index_t g, index_t s_first,
                                     int keys, index_t real_end, const detail::KeyRing& ring) {
   const int Rk = int(w.terms.key_rank);
-  const KeyWeightOrder order{keys, w.key_terms(), w.M, c.kdd.stride[1] == 1 && w.M > 1};
+  const bool slots_adjacent = c.kdd.stride[1] == 1 && w.M > 1;
+  const KeyWeightOrder order{keys, w.key_terms(), w.M, slots_adjacent ? kSlotRunShift : 0};
   for_each_owned(blk, order.count(), [&](int i) {
     int key = 0, term = 0, m = 0;
     order.item(i, key, term, m);
