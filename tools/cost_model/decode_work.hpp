@@ -158,20 +158,7 @@ inline DecodeWork decode_work(const DecodeShape& s) {
     e.S = r.lengths[i] = unit * (i + 1);
     runs[i] = emulate_decode(e, r.plan);
   }
-  const std::array<double, 3> x = {double(r.lengths[0]), double(r.lengths[1]),
-                                   double(r.lengths[2])};
-  const double scale = double(s.B) * double(s.H) / double(e.H);
-  for (const auto& [kernel, w] : per_kernel({runs[0], runs[1], runs[2]})) {
-    const auto counted = runs[3].find(kernel);
-    if (counted != runs[3].end())
-      r.step.fit_error = std::max(r.step.fit_error,
-                                  largest_relative_error(extrapolated(x, w, double(r.lengths[3])),
-                                                         work_of(counted->second)));
-    Work at = extrapolated(x, w, double(s.S));
-    for (double Work::*field : kCountedFields) at.*field *= scale;
-    r.step.kernels[kernel] = at;
-    r.step.total += at;
-  }
+  r.step = fitted_operation(r.lengths, runs, s.S, double(s.B) * double(s.H) / double(e.H));
   r.step.total.hbm_bytes = decode_compulsory_bytes(s);
   return r;
 }

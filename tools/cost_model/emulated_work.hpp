@@ -222,24 +222,34 @@ inline double largest_relative_error(const Work& predicted, const Work& counted)
   return worst;
 }
 
-/// One operation's work at s.T from its counts at lengths[0..2], checked at lengths[3].
-inline OperationWork extrapolated_operation(const BenchmarkShape& s,
-                                            const std::array<index_t, 4>& lengths,
-                                            const std::array<Counts, 4>& runs) {
+/// One operation's work at length `target` from its counts at lengths[0..2] (each count a
+/// quadratic, or affine, function of the length), checked at lengths[3], times `scale` (the
+/// benchmark's heads and sequences over the emulated ones). HBM bytes are left to the caller.
+inline OperationWork fitted_operation(const std::array<index_t, 4>& lengths,
+                                      const std::array<Counts, 4>& runs, index_t target,
+                                      double scale) {
   OperationWork result;
   const std::array<double, 3> x = {double(lengths[0]), double(lengths[1]), double(lengths[2])};
-  const double scale = double(s.B) * double(s.H) / double(emulated_shape(s, s.T).H);
   for (const auto& [kernel, w] : per_kernel({runs[0], runs[1], runs[2]})) {
     const auto counted = runs[3].find(kernel);
     if (counted != runs[3].end())
       result.fit_error = std::max(
           result.fit_error,
           largest_relative_error(extrapolated(x, w, double(lengths[3])), work_of(counted->second)));
-    Work at = extrapolated(x, w, double(s.T));
+    Work at = extrapolated(x, w, double(target));
     for (double Work::*field : kCountedFields) at.*field *= scale;
     result.kernels[kernel] = at;
     result.total += at;
   }
+  return result;
+}
+
+/// One operation's work at s.T, with the HBM bytes it cannot avoid.
+inline OperationWork extrapolated_operation(const BenchmarkShape& s,
+                                            const std::array<index_t, 4>& lengths,
+                                            const std::array<Counts, 4>& runs) {
+  const double scale = double(s.B) * double(s.H) / double(emulated_shape(s, s.T).H);
+  OperationWork result = fitted_operation(lengths, runs, s.T, scale);
   result.total.hbm_bytes = compulsory_bytes(s);
   return result;
 }
