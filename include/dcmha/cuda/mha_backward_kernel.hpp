@@ -190,22 +190,14 @@ class MhaBackwardKernel : BackwardBlock<T, Block> {
     const index_t split = geo_.split_sums ? this->tile_ : 0;
     float* sums = scratch_.dq_sum +
                   (((split * p_.dims.B + b_) * p_.dims.H + head_) * p_.dims.T + t0) * geo_.D;
-    // A lane's columns come in pairs (d even), added by one 8-byte red where the pair lies in
-    // one row of the sums (D even; the sums are 256-byte aligned).
-    const bool pairs = geo_.D % 2 == 0;
     DCMHA_UNROLL
     for (int m = 0; m < kQueryGradRowTiles; ++m) DCMHA_UNROLL
     for (int j = 0; j < kQueryGradTiles; ++j) DCMHA_UNROLL
     for (int i = 0; i < 4; i += 2) {
       const int r = r0 + 16 * m + f.row(i), d = d0 + 8 * j + f.column(i);
       if (t0 + r >= qlen || d >= geo_.D) continue;
-      float* at = sums + r * geo_.D + d;
-      if (pairs) {
-        blk_.atomic_add_global_pair(at, dq[m].c[j][i], dq[m].c[j][i + 1]);
-      } else {
-        blk_.atomic_add_global(at, dq[m].c[j][i]);
-        if (d + 1 < geo_.D) blk_.atomic_add_global(at + 1, dq[m].c[j][i + 1]);
-      }
+      add_column_pair(blk_, sums + r * geo_.D + d, dq[m].c[j][i], dq[m].c[j][i + 1],
+                      d + 1 < geo_.D);
     }
   }
 

@@ -68,6 +68,18 @@ DCMHA_INLINE void store_column_pair(const Block& blk, T* first, T x, T y, bool b
   if (both) blk.store_global(first + 1, y);
 }
 
+/// x added to first[0] and, where `both`, y to first[1] (float sums in global memory): one
+/// 8-byte reduction where the pair is aligned, as store_column_pair decides.
+template <class Block>
+DCMHA_INLINE void add_column_pair(const Block& blk, float* first, float x, float y, bool both) {
+  if (both && reinterpret_cast<std::uintptr_t>(first) % sizeof(ColumnPair<float>) == 0) {
+    blk.atomic_add_global_pair(first, x, y);
+    return;
+  }
+  blk.atomic_add_global(first, x);
+  if (both) blk.atomic_add_global(first + 1, y);
+}
+
 /// first[0] and, where `both`, first[1] (else 0), loaded as store_column_pair stores them.
 template <class T, class Block>
 DCMHA_INLINE ColumnPair<T> load_column_pair(const Block& blk, const T* first, bool both) {
