@@ -762,11 +762,12 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     const index_t qlen = this->query_length();
     DCMHA_UNROLL
     for (int j = 0; j < kDimTiles; ++j) DCMHA_UNROLL
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4; i += 2) {
       const int r = row0_ + f.row(i), d = 8 * j + f.column(i);
       if (r >= rows_real_ || d >= geo_.D) continue;
-      const float x = t0_ + r < qlen ? this->scale() * dq_.c[j][i] : 0.0f;
-      blk_.store_global(&p_.dq(b_, head_, t0_ + r, d), T(x));
+      const float scale = t0_ + r < qlen ? this->scale() : 0.0f;  // padding rows: zero
+      store_column_pair(blk_, &p_.dq(b_, head_, t0_ + r, d), T(scale * dq_.c[j][i]),
+                        T(scale * dq_.c[j][i + 1]), d + 1 < geo_.D);
     }
     this->store_weight_grads(sh(), t0_, rows_real_, this->query_length());
   }

@@ -571,11 +571,11 @@ class ForwardKernel {
     DCMHA_UNROLL
     for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
     for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 4; i += 2) {
       const int r = row0_ + 16 * m + f.row(i), e = 8 * j + f.column(i);
       if (r >= rows_real_ || e >= geo_.Dv) continue;
-      blk_.store_global(split_.out + (split_index_ * rows_total() + row_index(r)) * p_.dims.Dv + e,
-                        out_[m].c[j][i]);
+      float* at = split_.out + (split_index_ * rows_total() + row_index(r)) * p_.dims.Dv + e;
+      store_column_pair(blk_, at, out_[m].c[j][i], out_[m].c[j][i + 1], e + 1 < geo_.Dv);
     }
   }
 
