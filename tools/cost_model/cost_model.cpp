@@ -272,6 +272,18 @@ void print_breakdown(const ShapeModel& m) {
   print_plan(m.dcmha.plans, true);
 }
 
+/// Prints the data check and fails where two draws of the inputs gave different counts: the
+/// counts then follow the data and no extrapolation of them holds.
+void check_data_independence(double difference) {
+  std::printf(
+      "  data check: each plan's counts at its shortest length, on a second draw of the inputs, "
+      "differ by %.2g\n",
+      difference);
+  if (difference > 0)
+    throw std::runtime_error("the data check failed: a count depends on the inputs' values, by " +
+                             std::to_string(difference));
+}
+
 void model(index_t T, index_t head_dim, RunCache& cache, bool sites) {
   const ShapeModel m = shape_model(T, head_dim, cache);
   print_table(m);
@@ -285,6 +297,9 @@ void model(index_t T, index_t head_dim, RunCache& cache, bool sites) {
       "%.2g (relative)\n",
       (long long)lengths[0], (long long)lengths[1], (long long)lengths[2], (long long)lengths[3],
       fit);
+  check_data_independence(std::max({m.mha.forward.data_error, m.mha.backward.data_error,
+                                    m.two_sided.backward.data_error, m.dcmha.forward.data_error,
+                                    m.dcmha.backward.data_error}));
   // Counts that are not the quadratic the extrapolation assumes make the table meaningless.
   if (fit > kLargestFitError)
     throw std::runtime_error("the scaling check failed: a count is off its quadratic by " +
@@ -339,6 +354,7 @@ void model_decode(index_t head_dim) {
       "within %.2g (relative)\n",
       (long long)dcmha.lengths[0], (long long)dcmha.lengths[1], (long long)dcmha.lengths[2],
       (long long)dcmha.lengths[3], fit);
+  check_data_independence(std::max(mha.step.data_error, dcmha.step.data_error));
   if (fit > kLargestFitError)
     throw std::runtime_error("the decode scaling check failed: a count is off its line by " +
                              std::to_string(fit));

@@ -5,8 +5,9 @@
 // The plan is the benchmark's (its rows, cluster and key splits forced on the emulated
 // problem); with the splits fixed, every count is an affine function of S (each split walks
 // S / splits keys), so the fit through three cache lengths that are multiples of
-// splits x kKeys gives it at the benchmark's S, and a fourth checks it. Sequences (and, for
-// MHA, heads) are independent blocks: the counts scale linearly to B and H.
+// splits x kKeys gives it at the benchmark's S, a fourth checks it, and the first again on
+// other inputs checks that the counts do not follow the data. Sequences (and, for MHA, heads)
+// are independent blocks: the counts scale linearly to B and H.
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -43,7 +44,8 @@ inline double decode_compulsory_bytes(const DecodeShape& s) {
 /// query, query-wise terms and output.
 class DecodeProblem {
  public:
-  DecodeProblem(const DecodeShape& s, bool emulated) : s_(s), emulated_(emulated) {
+  DecodeProblem(const DecodeShape& s, bool emulated, unsigned seed = kInputDraw)
+      : s_(s), emulated_(emulated), rng_(seed) {
     DecodeCacheConfig c;
     c.B = s.B, c.H = c.Hk = s.H, c.D = c.Dv = s.D;
     c.G = s.dcmha ? 1 : s.H;  // MHA: every head its own group
@@ -104,7 +106,7 @@ class DecodeProblem {
   DecodeShape s_;
   bool emulated_;
   std::uintptr_t next_ = std::uintptr_t(1) << 44;
-  std::mt19937 rng_{11};
+  std::mt19937 rng_;
   std::vector<std::vector<bf16>> storage_;
 };
 
@@ -123,9 +125,11 @@ inline cuda::ForwardLaunch decode_plan(const DecodeShape& s) {
                                                               p.query_side, p.out, lengths));
 }
 
-/// One emulated decode step of shape s with the plan forced: its launches' counts per kernel.
-inline Counts emulate_decode(const DecodeShape& s, const cuda::ForwardLaunch& plan) {
-  DecodeProblem p(s, true);
+/// One emulated decode step of shape s with the plan forced, on inputs drawn from `seed`: its
+/// launches' counts per kernel.
+inline Counts emulate_decode(const DecodeShape& s, const cuda::ForwardLaunch& plan,
+                             unsigned seed = kInputDraw) {
+  DecodeProblem p(s, true, seed);
   cuda::emulator::Counting::enabled() = true;
   cuda::emulator::LaunchLog::get().take();
   Plans forced;
@@ -159,6 +163,8 @@ inline DecodeWork decode_work(const DecodeShape& s) {
     runs[i] = emulate_decode(e, r.plan);
   }
   r.step = fitted_operation(r.lengths, runs, s.S, double(s.B) * double(s.H) / double(e.H));
+  e.S = r.lengths[0];
+  r.step.data_error = counts_difference(runs[0], emulate_decode(e, r.plan, kInputDraw + 1));
   r.step.total.hbm_bytes = decode_compulsory_bytes(s);
   return r;
 }

@@ -5,9 +5,10 @@
 // shape (its rows, keys, cluster and splits forced), so every block does what it would do there.
 // Under a causal mask a launch's counts are then a quadratic polynomial of T: blocks grow with
 // T, (block, tile) pairs with T², and a diagonal tile's masking with T. The polynomial through
-// the three points gives the counts at the benchmark's T; a fourth length checks it. Blocks are
-// independent across sequences and compose groups, so the counts of one sequence (and, for MHA,
-// a few heads) scale linearly to B and H.
+// the three points gives the counts at the benchmark's T; a fourth length checks it, and the
+// first length run again on other random inputs checks that no count follows the data. Blocks
+// are independent across sequences and compose groups, so the counts of one sequence (and, for
+// MHA, a few heads) scale linearly to B and H.
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -26,10 +27,14 @@ namespace dcmha::cost_model {
 
 using Counts = std::map<std::string, cuda::emulator::Counters>;  // per kernel, summed over calls
 
-/// bf16 tensors of one emulated problem, random and never zero, in the benchmark's layouts.
+/// The inputs' draw the model's counts come from; the data check counts a second one.
+constexpr unsigned kInputDraw = 7;
+
+/// bf16 tensors of one emulated problem, random (drawn from `seed`) and never zero, in the
+/// benchmark's layouts.
 class EmulatedProblem {
  public:
-  explicit EmulatedProblem(const BenchmarkShape& s) : s_(s) {
+  EmulatedProblem(const BenchmarkShape& s, unsigned seed) : s_(s), rng_(seed) {
     const index_t B = s.B, H = s.H, T = s.T, D = s.D;
     q = tensor<4>({B, H, T, D}, 1), k = tensor<4>({B, H, T, D}, 1);
     v = tensor<4>({B, H, T, D}, 1), dout = tensor<4>({B, H, T, D}, 1);
@@ -72,7 +77,7 @@ class EmulatedProblem {
   }
 
   BenchmarkShape s_;
-  std::mt19937 rng_{7};
+  std::mt19937 rng_;
   std::vector<std::vector<bf16>> storage_;
   std::vector<float> lse_storage_;
 };
@@ -142,10 +147,11 @@ inline Plans plans_of(const BenchmarkShape& s) {
   return p;
 }
 
-/// One emulated forward then backward of shape s with the plans forced: each one's launches'
-/// counts per kernel.
-inline std::array<Counts, 2> emulate(const BenchmarkShape& s, const Plans& plans) {
-  EmulatedProblem p(s);
+/// One emulated forward then backward of shape s with the plans forced, on inputs drawn from
+/// `seed`: each one's launches' counts per kernel.
+inline std::array<Counts, 2> emulate(const BenchmarkShape& s, const Plans& plans,
+                                     unsigned seed = kInputDraw) {
+  EmulatedProblem p(s, seed);
   auto counts = [] {
     Counts c;
     for (auto& [kernel, launch] : cuda::emulator::LaunchLog::get().take()) c[kernel] += launch;
@@ -196,12 +202,14 @@ inline Work extrapolated(const std::array<double, 3>& x, const std::array<Work, 
   return r;
 }
 
-/// Our kernels' work for one operation at the benchmark shape, per kernel, and the largest
-/// relative error of the fit's prediction of a fourth length's counts (the scaling check).
+/// Our kernels' work for one operation at the benchmark shape, per kernel, the largest
+/// relative error of the fit's prediction of a fourth length's counts (the scaling check), and
+/// the largest relative difference of one length's counts on two draws of the inputs (the data
+/// check: a kernel that re-reads where the data says so would make every count unreliable).
 struct OperationWork {
   std::map<std::string, Work> kernels;
   Work total;
-  double fit_error = 0;
+  double fit_error = 0, data_error = 0;
 };
 
 /// The emulated problem for length t: one sequence, one compose group (DCMHA) or two heads
@@ -219,6 +227,20 @@ inline double largest_relative_error(const Work& predicted, const Work& counted)
     const double want = counted.*field;
     if (want != 0) worst = std::max(worst, std::abs(predicted.*field - want) / want);
   }
+  return worst;
+}
+
+/// The largest relative difference between two runs' counts, kernel by kernel (1 where a
+/// kernel ran in one only).
+inline double counts_difference(const Counts& a, const Counts& b) {
+  double worst = 0;
+  for (const auto& [kernel, c] : a) {
+    const auto other = b.find(kernel);
+    worst = std::max(
+        worst, other == b.end() ? 1.0 : largest_relative_error(work_of(c), work_of(other->second)));
+  }
+  for (const auto& [kernel, c] : b)
+    if (a.find(kernel) == a.end()) worst = 1;
   return worst;
 }
 
@@ -264,11 +286,13 @@ inline index_t length_unit(const Plans& p) {
   return unit;
 }
 
-/// The emulated runs of one launch plan: forward and backward counts at four lengths.
+/// The emulated runs of one launch plan: forward and backward counts at four lengths, and at
+/// the first length again on a second draw of the inputs.
 struct EmulatedRuns {
   Plans plans;
   std::array<index_t, 4> lengths{};
   std::array<std::array<Counts, 2>, 4> counts;
+  std::array<Counts, 2> redrawn;
 };
 
 inline EmulatedRuns emulated_runs(const BenchmarkShape& s, const Plans& plans) {
@@ -277,6 +301,7 @@ inline EmulatedRuns emulated_runs(const BenchmarkShape& s, const Plans& plans) {
   const index_t unit = length_unit(plans);
   r.lengths = {unit, 2 * unit, 3 * unit, 4 * unit};
   for (int i = 0; i < 4; ++i) r.counts[i] = emulate(emulated_shape(s, r.lengths[i]), plans);
+  r.redrawn = emulate(emulated_shape(s, r.lengths[0]), plans, kInputDraw + 1);
   return r;
 }
 
@@ -305,8 +330,9 @@ inline EmulatedWork emulated_work(BenchmarkShape s, const EmulatedRuns& runs) {
   result.longest = c[3];
   for (int op = 0; op < 2; ++op) {
     s.backward = op == 1;
-    (op == 0 ? result.forward : result.backward) =
-        extrapolated_operation(s, runs.lengths, {c[0][op], c[1][op], c[2][op], c[3][op]});
+    OperationWork& w = op == 0 ? result.forward : result.backward;
+    w = extrapolated_operation(s, runs.lengths, {c[0][op], c[1][op], c[2][op], c[3][op]});
+    w.data_error = counts_difference(c[0][op], runs.redrawn[op]);
   }
   const cuda::BackwardLaunch& b = runs.plans.backward;
   if (b.one_pass) {  // O read for the row dots (as FA2's), dQ's float sums zeroed and read back
