@@ -372,6 +372,16 @@ class ForwardKernel {
             geo_.slice_keys,  slice_row_begin_, slice_key_begin_};
   }
 
+  /// A round's compose item of the slice, less its rows past T. Those only pad the tile (a
+  /// decode step's tile is one real row of 16): their scores, statistics and outputs stay in
+  /// their own rows of the products and are never stored, so they are not composed.
+  DCMHA_INLINE ComposeItem item_of(int round) const {
+    ComposeItem it = compose_item<kItemRows>(blk_, region(), geo_.M, geo_.compose_parts, round);
+    const int real = rows_real_ - it.row0;
+    if (real < it.rows) it.rows = real < 0 ? 0 : real;
+    return it;
+  }
+
   /// The keys the rows of an item see.
   DCMHA_INLINE void item_ranges(const ComposeItem& it, detail::KeyRange (&r)[kItemRows]) const {
     DCMHA_UNROLL
@@ -390,8 +400,7 @@ class ForwardKernel {
     const GroupTiles in = group_tiles(sh().scores()), out = group_tiles(composed_tiles());
     const int rounds = compose_rounds<kItemRows>(blk_, region(), geo_.compose_parts);
     for (int round = 0; round < rounds; ++round) {
-      const ComposeItem it =
-          compose_item<kItemRows>(blk_, region(), geo_.M, geo_.compose_parts, round);
+      const ComposeItem it = item_of(round);
       query.hold(blk_, w, it, rounds);
       Projections<kItemRows> proj;
       proj.zero();
@@ -427,8 +436,7 @@ class ForwardKernel {
     const GroupTiles in = group_tiles(sh().scores()), probs = group_tiles(composed_tiles());
     for (int round = 0; round < compose_rounds<kItemRows>(blk_, region(), geo_.compose_parts);
          ++round) {
-      const ComposeItem it =
-          compose_item<kItemRows>(blk_, region(), geo_.M, geo_.compose_parts, round);
+      const ComposeItem it = item_of(round);
       Projections<kItemRows> proj, post_proj;
       proj.zero();
       post_proj.zero();
