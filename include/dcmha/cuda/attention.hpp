@@ -97,9 +97,9 @@ void run_forward_launches(const char* fn, const detail::ForwardParams<T>& p, con
     return;
   }
   launch(fn, kernel, l.blocks, stream, p, l.phase(ForwardPhase::split_statistics), split);
-  launch(fn, combine_statistics_kernel<T>, l.per_sequence, stream, p, split);
+  launch(fn, combine_statistics_kernel<T>, l.per_head, stream, p, split);
   launch(fn, kernel, l.blocks, stream, p, l.phase(ForwardPhase::split_values), split);
-  launch(fn, sum_splits_kernel<T>, l.per_sequence, stream, p, split);
+  launch(fn, sum_splits_kernel<T>, l.per_head, stream, p, split);
 }
 
 /// The forward's kernels of one head-dim class on a planned, staged call: one launch, or a split

@@ -57,10 +57,10 @@ void run_forward(const detail::ForwardParams<T>& p, const ForwardLaunch& l) {
     const KeySplit split =
         l.carve(scratch_as_on_device(storage, l.scratch_elements(p.dims)), p.dims);
     blocks("forward_split_statistics", ForwardPhase::split_statistics, split);
-    emulator::launch("combine_split_statistics", l.per_sequence.shape,
+    emulator::launch("combine_split_statistics", l.per_head.shape,
                      [&](const HostBlock& blk) { combine_split_statistics(blk, p, split); });
     blocks("forward_split_values", ForwardPhase::split_values, split);
-    emulator::launch("sum_split_outputs", l.per_sequence.shape,
+    emulator::launch("sum_split_outputs", l.per_head.shape,
                      [&](const HostBlock& blk) { sum_split_outputs(blk, p, split); });
     return 0;
   });

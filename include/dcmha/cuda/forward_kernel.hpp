@@ -603,15 +603,15 @@ class ForwardKernel {
   Values out_[kRowTiles];
 };
 
-/// A split forward's second launch, one block per sequence: each row's lse from the splits'
-/// statistics, merged in split order (and written to the caller's lse, if kept).
+/// A split forward's second launch, one block per (sequence, head): each row's lse from the
+/// splits' statistics, merged in split order (and written to the caller's lse, if kept).
 template <class Block, class T>
 DCMHA_INLINE void combine_split_statistics(const Block& blk, const detail::ForwardParams<T>& p,
                                            const KeySplit& split) {
-  const index_t b = blk.block(0), H = p.dims.H, T_ = p.dims.T;
-  const index_t rows_total = p.dims.B * H * T_;
-  for (index_t item = blk.thread(); item < H * T_; item += blk.threads()) {
-    const index_t row = b * H * T_ + item;
+  const index_t b = blk.block(0), h = blk.block(1), T_ = p.dims.T;
+  const index_t rows_total = p.dims.B * p.dims.H * T_;
+  for (index_t t = blk.thread(); t < T_; t += blk.threads()) {
+    const index_t row = (b * p.dims.H + h) * T_ + t;
     const detail::SoftmaxState<float> total = detail::merge_states<float>(split.count, [&](int s) {
       detail::SoftmaxState<float> st;
       st.max = blk.load_global(split.stats + 2 * (s * rows_total + row));
@@ -619,25 +619,25 @@ DCMHA_INLINE void combine_split_statistics(const Block& blk, const detail::Forwa
       return st;
     });
     blk.store_global(split.lse + row, total.lse());
-    if (!p.lse.empty()) blk.store_global(&p.lse(b, item / T_, item % T_), total.lse());
+    if (!p.lse.empty()) blk.store_global(&p.lse(b, h, t), total.lse());
   }
 }
 
-/// A split forward's last launch, one block per sequence: out = the splits' P'V summed in split
-/// order, rounded once; padding rows are zeros.
+/// A split forward's last launch, one block per (sequence, head): out = the splits' P'V summed
+/// in split order, rounded once; padding rows are zeros.
 template <class Block, class T>
 DCMHA_INLINE void sum_split_outputs(const Block& blk, const detail::ForwardParams<T>& p,
                                     const KeySplit& split) {
-  const index_t b = blk.block(0), H = p.dims.H, T_ = p.dims.T, Dv = p.dims.Dv;
-  const index_t rows_total = p.dims.B * H * T_;
+  const index_t b = blk.block(0), h = blk.block(1), T_ = p.dims.T, Dv = p.dims.Dv;
+  const index_t rows_total = p.dims.B * p.dims.H * T_, first_row = (b * p.dims.H + h) * T_;
   const index_t qlen = detail::sequence_length(p.mask.query_lengths, b, T_);
-  for (index_t item = blk.thread(); item < H * T_ * Dv; item += blk.threads()) {
-    const index_t row = b * H * T_ + item / Dv, e = item % Dv, t = item / Dv % T_;
+  for (index_t item = blk.thread(); item < T_ * Dv; item += blk.threads()) {
+    const index_t t = item / Dv, e = item % Dv;
     float sum = 0;
     if (t < qlen)
       for (int s = 0; s < split.count; ++s)
-        sum += blk.load_global(split.out + (s * rows_total + row) * Dv + e);
-    blk.store_global(&p.out(b, item / Dv / T_, t, e), T(sum));
+        sum += blk.load_global(split.out + (s * rows_total + first_row + t) * Dv + e);
+    blk.store_global(&p.out(b, h, t, e), T(sum));
   }
 }
 

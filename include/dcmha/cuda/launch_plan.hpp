@@ -180,7 +180,10 @@ struct ForwardLaunch {
   int head_dim = 128;
   ForwardGeometry geo;
   KernelLaunch blocks;
-  KernelLaunch per_sequence;  // combine_split_statistics, sum_split_outputs: one block each
+  // combine_split_statistics, sum_split_outputs: a block per (sequence, head), so that a decode
+  // step's few rows spread over the machine (a block a sequence would be 8 blocks at B = 8, each
+  // thread walking 32 elements one global latency after another).
+  KernelLaunch per_head;
 
   index_t scratch_elements(const detail::AttentionDims& d) const {
     return geo.splits > 1 ? d.B * d.H * d.T * (2 * geo.splits + 1 + geo.splits * d.Dv) : 0;
@@ -259,8 +262,9 @@ ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
   l.blocks.shape.z = p.dims.B * geo.splits;
   l.blocks.shape.threads = geo.threads();
   l.blocks.shape.cluster = geo.cluster;
-  l.per_sequence.shape.x = p.dims.B;
-  l.per_sequence.shape.threads = 256;
+  l.per_head.shape.x = p.dims.B;
+  l.per_head.shape.y = p.dims.H;
+  l.per_head.shape.threads = 128;
   return l;
 }
 
