@@ -87,7 +87,7 @@ inline void nn_block(index_t depth, const A* a, index_t ars, index_t acs, const 
     for (int r = 0; r < RB; ++r) {
       // a broadcast (x - 0 is exact, so no add is emitted)
       const V av = a[r * ars + k * acs] - V{};
-      for (int j = 0; j < CB; ++j) acc[r][j] += av * bv[j];
+      for (int j = 0; j < CB; ++j) acc[r][j] = vmultiply_add(av, bv[j], acc[r][j]);
     }
   }
   for (int r = 0; r < RB; ++r)
@@ -246,7 +246,8 @@ inline void few_rows_key_block(index_t rows, index_t keys_left, index_t depth, c
     index_t d = 0;
     for (; d + L <= depth; d += L) {
       const V av = vload(ai + d);
-      for (int k = 0; k < 8; ++k) acc[k] += av * vload_widened<float>(b + k * ldb + d);
+      for (int k = 0; k < 8; ++k)
+        acc[k] = vmultiply_add(av, vload_widened<float>(b + k * ldb + d), acc[k]);
     }
     float sums[8];
     _mm256_storeu_ps(sums, ordered_lane_sums8(acc));
@@ -284,7 +285,8 @@ void gemm_nt_few_rows(index_t rows, index_t n, index_t depth, const A* a, index_
       V acc[4] = {};
       for (; d + L <= depth; d += L) {
         const V bv = vload_widened<A>(bj + d);
-        for (index_t r = 0; r < nr; ++r) acc[r] += vload(a + (i0 + r) * lda + d) * bv;
+        for (index_t r = 0; r < nr; ++r)
+          acc[r] = vmultiply_add(vload(a + (i0 + r) * lda + d), bv, acc[r]);
       }
       for (index_t r = 0; r < nr; ++r)
         for (int l = 0; l < L; ++l) s[r] += acc[r][l];

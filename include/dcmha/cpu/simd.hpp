@@ -40,6 +40,49 @@ inline A multiply_add(A a, A b, A c) {
   return a * b + c;
 }
 
+/// acc + a * b lane by lane, rounded once where the target has FMA: the vector loops that read
+/// float or narrow storage spell it out, since whether GCC contracts `acc += a * b` depends on
+/// the vector width and the target (AVX2 contracts one instantiation and not the other), and
+/// the narrow kernels must compute exactly what the float kernels compute on the same values.
+template <class V>
+inline V vmultiply_add(const V& a, const V& b, const V& acc) {
+#if defined(__FMA__)
+  using E = std::decay_t<decltype(a[0])>;
+  constexpr bool is_float = std::is_same_v<E, float>;
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) {
+    if constexpr (is_float)
+      return V(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(acc)));
+    else
+      return V(_mm512_fmadd_pd(__m512d(a), __m512d(b), __m512d(acc)));
+  }
+#endif
+  if constexpr (sizeof(V) % 32 == 0) {  // 32-byte halves where 64-byte vectors run on AVX2
+    V r;
+    for (std::size_t h = 0; h < sizeof(V); h += 32) {
+      __m256 x, y, z;
+      std::memcpy(&x, reinterpret_cast<const char*>(&a) + h, 32);
+      std::memcpy(&y, reinterpret_cast<const char*>(&b) + h, 32);
+      std::memcpy(&z, reinterpret_cast<const char*>(&acc) + h, 32);
+      if constexpr (is_float)
+        x = _mm256_fmadd_ps(x, y, z);
+      else
+        x = _mm256_castpd_ps(
+            _mm256_fmadd_pd(_mm256_castps_pd(x), _mm256_castps_pd(y), _mm256_castps_pd(z)));
+      std::memcpy(reinterpret_cast<char*>(&r) + h, &x, 32);
+    }
+    return r;
+  }
+  if constexpr (sizeof(V) == 16) {
+    if constexpr (is_float)
+      return V(_mm_fmadd_ps(__m128(a), __m128(b), __m128(acc)));
+    else
+      return V(_mm_fmadd_pd(__m128d(a), __m128d(b), __m128d(acc)));
+  }
+#endif
+  return acc + a * b;
+}
+
 template <class A>
 inline typename Simd<A>::V vload(const A* p) {
   typename Simd<A>::V v;
