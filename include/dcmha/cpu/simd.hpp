@@ -40,44 +40,50 @@ inline A multiply_add(A a, A b, A c) {
   return a * b + c;
 }
 
+#if defined(__FMA__)
+/// One fused multiply-add per native vector type, so that vmultiply_add names the
+/// instruction once and only chooses the type.
+inline __m128 fused_multiply_add(__m128 a, __m128 b, __m128 c) { return _mm_fmadd_ps(a, b, c); }
+inline __m128d fused_multiply_add(__m128d a, __m128d b, __m128d c) { return _mm_fmadd_pd(a, b, c); }
+inline __m256 fused_multiply_add(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+inline __m256d fused_multiply_add(__m256d a, __m256d b, __m256d c) {
+  return _mm256_fmadd_pd(a, b, c);
+}
+#if defined(__AVX512F__)
+inline __m512 fused_multiply_add(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+inline __m512d fused_multiply_add(__m512d a, __m512d b, __m512d c) {
+  return _mm512_fmadd_pd(a, b, c);
+}
+constexpr std::size_t kWidestNativeBytes = 64;
+#else
+constexpr std::size_t kWidestNativeBytes = 32;
+#endif
+#endif  // __FMA__
+
 /// acc + a * b lane by lane, rounded once where the target has FMA: the vector loops that read
 /// float or narrow storage spell it out, since whether GCC contracts `acc += a * b` depends on
 /// the vector width and the target (AVX2 contracts one instantiation and not the other), and
 /// the narrow kernels must compute exactly what the float kernels compute on the same values.
+/// A vector wider than the target's (64 bytes on AVX2) goes in native pieces.
 template <class V>
 inline V vmultiply_add(const V& a, const V& b, const V& acc) {
 #if defined(__FMA__)
-  using E = std::decay_t<decltype(a[0])>;
-  constexpr bool is_float = std::is_same_v<E, float>;
-#if defined(__AVX512F__)
-  if constexpr (sizeof(V) == 64) {
-    if constexpr (is_float)
-      return V(_mm512_fmadd_ps(__m512(a), __m512(b), __m512(acc)));
-    else
-      return V(_mm512_fmadd_pd(__m512d(a), __m512d(b), __m512d(acc)));
-  }
-#endif
-  if constexpr (sizeof(V) % 32 == 0) {  // 32-byte halves where 64-byte vectors run on AVX2
+  if constexpr (sizeof(V) % 16 == 0) {
+    using E = std::decay_t<decltype(a[0])>;
+    constexpr std::size_t piece = sizeof(V) % kWidestNativeBytes == 0 ? kWidestNativeBytes
+                                  : sizeof(V) % 32 == 0               ? 32
+                                                                      : 16;
+    typedef E N __attribute__((vector_size(piece)));  // the native type, as the overloads take
     V r;
-    for (std::size_t h = 0; h < sizeof(V); h += 32) {
-      __m256 x, y, z;
-      std::memcpy(&x, reinterpret_cast<const char*>(&a) + h, 32);
-      std::memcpy(&y, reinterpret_cast<const char*>(&b) + h, 32);
-      std::memcpy(&z, reinterpret_cast<const char*>(&acc) + h, 32);
-      if constexpr (is_float)
-        x = _mm256_fmadd_ps(x, y, z);
-      else
-        x = _mm256_castpd_ps(
-            _mm256_fmadd_pd(_mm256_castps_pd(x), _mm256_castps_pd(y), _mm256_castps_pd(z)));
-      std::memcpy(reinterpret_cast<char*>(&r) + h, &x, 32);
+    for (std::size_t h = 0; h < sizeof(V); h += piece) {
+      N x, y, z;
+      std::memcpy(&x, reinterpret_cast<const char*>(&a) + h, piece);
+      std::memcpy(&y, reinterpret_cast<const char*>(&b) + h, piece);
+      std::memcpy(&z, reinterpret_cast<const char*>(&acc) + h, piece);
+      x = fused_multiply_add(x, y, z);
+      std::memcpy(reinterpret_cast<char*>(&r) + h, &x, piece);
     }
     return r;
-  }
-  if constexpr (sizeof(V) == 16) {
-    if constexpr (is_float)
-      return V(_mm_fmadd_ps(__m128(a), __m128(b), __m128(acc)));
-    else
-      return V(_mm_fmadd_pd(__m128d(a), __m128d(b), __m128d(acc)));
   }
 #endif
   return acc + a * b;
