@@ -765,9 +765,9 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     for (int i = 0; i < 4; i += 2) {
       const int r = row0_ + f.row(i), d = 8 * j + f.column(i);
       if (r >= rows_real_ || d >= geo_.D) continue;
-      const float scale = t0_ + r < qlen ? this->scale() : 0.0f;  // padding rows: zero
-      store_column_pair(blk_, &p_.dq(b_, head_, t0_ + r, d), T(scale * dq_.c[j][i]),
-                        T(scale * dq_.c[j][i + 1]), d + 1 < geo_.D);
+      const float row_factor = t0_ + r < qlen ? this->scale() : 0.0f;  // padding rows: zero
+      store_column_pair(blk_, &p_.dq(b_, head_, t0_ + r, d), T(row_factor * dq_.c[j][i]),
+                        T(row_factor * dq_.c[j][i + 1]), d + 1 < geo_.D);
     }
     this->store_weight_grads(sh(), t0_, rows_real_, this->query_length());
   }
