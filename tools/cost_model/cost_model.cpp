@@ -54,9 +54,10 @@ Modeled ours(const OperationWork& op) {
   Modeled m;
   for (const auto& [kernel, w] : op.kernels) m.add_launch(w);
   // The compulsory HBM traffic bounds the operation as a whole (each launch's L2 traffic bounds
-  // the launch).
+  // the launch); serialized, HBM and L2 count as the larger of the two over the operation.
   const double hbm = modeled_time(op.total).hbm;
   m.overlapped = std::max(m.overlapped, hbm);
+  m.serialized += std::max(0.0, hbm - m.units.l2);
   m.units.hbm = hbm;
   return m;
 }
