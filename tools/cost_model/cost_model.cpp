@@ -316,7 +316,7 @@ void model(index_t T, index_t head_dim, RunCache& cache, bool sites) {
 /// once from HBM, which a decode kernel of any design needs.
 void print_decode_row(const char* what, const DecodeWork& w) {
   Work cache_once;
-  cache_once.hbm_bytes = w.step.total.hbm_bytes;
+  cache_once.hbm_bytes = w.floor_bytes;
   const double floor = modeled_time(cache_once).hbm;
   const Modeled m = ours(w.step);
   std::printf("| %-12s | %7.3f | %7.3f / %7.3f | %5.2fx / %5.2fx |\n", what, ms(floor),
@@ -336,6 +336,10 @@ void model_decode(index_t head_dim) {
       (long long)s.B, (long long)s.H, (long long)s.D, (long long)s.S);
   print_decode_row("MHA decode", mha);
   print_decode_row("DCMHA decode", dcmha);
+  std::printf(
+      "DCMHA reads K and the key-wise terms twice (%.0f MB), %.0f MB of them again from HBM "
+      "(past the L2's %.0f MB)\n",
+      decode_twice_read_bytes(s) / 1e6, dcmha.reread_bytes / 1e6, Ceilings{}.l2_capacity / 1e6);
   std::printf("units, summed over launches:\n");
   print_units("our MHA decode", ours(mha.step));
   print_units("our DCMHA decode", ours(dcmha.step));

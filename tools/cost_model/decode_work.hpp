@@ -8,6 +8,7 @@
 // splits x kKeys gives it at the benchmark's S, a fourth checks it, and the first again on
 // other inputs checks that the counts do not follow the data. Sequences (and, for MHA, heads)
 // are independent blocks: the counts scale linearly to B and H.
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <memory>
@@ -18,6 +19,7 @@
 #include <dcmha/cuda/emulate.hpp>
 
 #include "emulated_work.hpp"
+#include "h200_model.hpp"
 
 namespace dcmha::cost_model {
 
@@ -37,6 +39,17 @@ inline double decode_compulsory_bytes(const DecodeShape& s) {
   const double key_terms = s.dcmha ? keys * heads * 2 * (2 * double(s.R) + 1) * element : 0;
   const double query_terms = s.dcmha ? double(s.B) * heads * 2 * (2 * double(s.R) + 1) * 2 : 0;
   return cache + key_terms + query_terms + 2 * double(s.B) * heads * double(s.D) * element;
+}
+
+/// Bytes of the cache a decode step reads twice. DCMHA's probabilities need every head's lse
+/// over all keys before Compose_post mixes them, so its step walks the keys twice (the
+/// statistics, then the values), reading K and the key-wise terms each time; MHA walks them
+/// once. Between the two reads the whole cache streams past (every block walks all its keys),
+/// so no more of it than the L2 holds can still be there.
+inline double decode_twice_read_bytes(const DecodeShape& s) {
+  if (!s.dcmha) return 0;
+  const double element = 2, keys = double(s.B) * double(s.S), heads = double(s.H);
+  return keys * heads * (double(s.D) + 2 * (2 * double(s.R) + 1)) * element;
 }
 
 /// One decode step's tensors: a cache whose slots are `storage` (random where emulated; a far
@@ -143,14 +156,17 @@ inline Counts emulate_decode(const DecodeShape& s, const cuda::ForwardLaunch& pl
 }
 
 /// Our decode step's work at shape s: emulated on one sequence (MHA: two heads) at four cache
-/// lengths, fitted in S and scaled to B and H.
+/// lengths, fitted in S and scaled to B and H. Its HBM bytes are the floor's and the second
+/// read of what the L2 cannot hold.
 struct DecodeWork {
   cuda::ForwardLaunch plan;
   std::array<index_t, 4> lengths{};
   OperationWork step;
+  double floor_bytes = 0;   // what any decode kernel moves: decode_compulsory_bytes
+  double reread_bytes = 0;  // read again from HBM: decode_twice_read_bytes less the L2
 };
 
-inline DecodeWork decode_work(const DecodeShape& s) {
+inline DecodeWork decode_work(const DecodeShape& s, const Ceilings& ceilings = {}) {
   DecodeWork r;
   r.plan = decode_plan(s);
   DecodeShape e = s;
@@ -165,7 +181,9 @@ inline DecodeWork decode_work(const DecodeShape& s) {
   r.step = fitted_operation(r.lengths, runs, s.S, double(s.B) * double(s.H) / double(e.H));
   e.S = r.lengths[0];
   r.step.data_error = counts_difference(runs[0], emulate_decode(e, r.plan, kInputDraw + 1));
-  r.step.total.hbm_bytes = decode_compulsory_bytes(s);
+  r.floor_bytes = decode_compulsory_bytes(s);
+  r.reread_bytes = std::max(0.0, decode_twice_read_bytes(s) - ceilings.l2_capacity);
+  r.step.total.hbm_bytes = r.floor_bytes + r.reread_bytes;
   return r;
 }
 

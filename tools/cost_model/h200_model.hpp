@@ -17,6 +17,7 @@ struct Ceilings {
   double hbm_bytes = 4.8e12;     // HBM3e (datasheet)
   double l2_bytes = 10e12;       // L2 to the multiprocessors (assumed, about 2x HBM)
   double peer_bytes = 3.3e12;    // DSMEM across a cluster (assumed)
+  double l2_capacity = 50e6;     // bytes the L2 holds (datasheet: 50 MB)
 
   double shared_wavefronts() const { return clock_hz * multiprocessors; }  // 128 B each
   double exps() const { return exp_per_cycle * clock_hz * multiprocessors; }
