@@ -395,22 +395,71 @@ TEST(CudaKernelsEmulated, TilesAndClusters) {
   check_case<bf16>(dcmha::test::with_launch(s, tiles(32, 4)), seed++);
 }
 
+/// Tiles as given, split_scores as chosen.
+LaunchOptions split_tiles(index_t splits, dcmha::cuda::SplitScores scores, index_t rows = 0,
+                          int cluster = 0) {
+  LaunchOptions o = tiles(rows, cluster, splits);
+  o.split_scores = scores;
+  return o;
+}
+
 TEST(CudaKernelsEmulated, KeysSplitAcrossBlocks) {
   // The split forward (decode's shape: few query tiles, many keys): statistics per share,
-  // combined, then P'V per share, summed. More splits than key tiles leave shares empty.
+  // combined, then P'V per share, summed. More splits than key tiles leave shares empty. The
+  // values launch recomputes the composed scores from K or reads those the statistics launch
+  // kept (tiles whose rows and keys a cluster's blocks compose in slices, windows, static W).
+  using dcmha::cuda::SplitScores;
   ProblemSpec s = tiled_spec();
   s.T = 5, s.S = 200;
   uint64_t seed = 350;
   for (index_t splits : {2, 9})
-    for (bool window : {false, true}) {
-      s.window = window ? 70 : 0;
-      check_case<float>(dcmha::test::with_launch(s, tiles(0, 0, splits)), seed++);
-    }
-  Case c = dcmha::test::with_launch(s, tiles(0, 0, 4));
+    for (bool window : {false, true})
+      for (SplitScores scores : {SplitScores::recomputed, SplitScores::kept}) {
+        s.window = window ? 70 : 0;
+        check_case<float>(dcmha::test::with_launch(s, split_tiles(splits, scores)), seed++);
+      }
+  Case c = dcmha::test::with_launch(s, split_tiles(4, SplitScores::kept));
   c.spec.B = 3, c.spec.D = c.spec.Dv = 16;
   c.query_lengths = {5, 2, 0};
   c.key_lengths = {200, 150, 40};
   check_case<bf16>(c, seed++);
+  c.launch.split_scores = SplitScores::recomputed;
+  check_case<half>(c, seed++);
+  s = tiled_spec();
+  s.H = 8, s.Hk = 4, s.G = 1, s.T = 20, s.S = 150;
+  check_case<float>(dcmha::test::with_launch(s, split_tiles(3, SplitScores::kept, 16, 4)), seed++);
+}
+
+/// The counts of the split forward's values launch of case c.
+template <class T>
+dcmha::cuda::emulator::Counters split_values_counts(const Case& c, uint64_t seed) {
+  const dcmha::reference::Problem p = dcmha::test::storage_problem<T>(problem_of(c, seed));
+  EmulatedRun<T> run(c, p, dcmha::test::random_dout(p, seed));
+  dcmha::cuda::emulator::Counting::enabled() = true;
+  dcmha::cuda::emulator::LaunchLog::get().take();
+  run.forward(c.launch);
+  dcmha::cuda::emulator::Counters counts;
+  for (const auto& [kernel, launch] : dcmha::cuda::emulator::LaunchLog::get().take())
+    if (kernel == "forward_split_values") counts += launch;
+  dcmha::cuda::emulator::Counting::enabled() = false;
+  return counts;
+}
+
+TEST(CudaKernelsEmulated, KeptScoresSpareTheValuesLaunchK) {
+  // Kept scores: the values launch runs no QK^T (its tensor-core products are P'V's alone) and
+  // reads at least K's bytes fewer, less the kept floats it reads instead.
+  using dcmha::cuda::SplitScores;
+  ProblemSpec s = tiled_spec();
+  s.T = 1, s.S = 256, s.D = s.Dv = 32, s.Hk = s.H;
+  const auto kept = split_values_counts<bf16>(
+      dcmha::test::with_launch(s, split_tiles(2, SplitScores::kept)), 360);
+  const auto recomputed = split_values_counts<bf16>(
+      dcmha::test::with_launch(s, split_tiles(2, SplitScores::recomputed)), 360);
+  ASSERT_GT(kept.mma, 0u);
+  EXPECT_EQ(2 * kept.mma, recomputed.mma);  // QK^T and P'V of equal depth: D = Dv
+  const std::uint64_t k_bytes = s.B * s.Hk * s.S * s.D * sizeof(bf16);
+  EXPECT_LE(kept.global_load_bytes + k_bytes,
+            recomputed.global_load_bytes + s.B * s.H * s.T * (s.S + dcmha::cuda::kKeys) * 4);
 }
 
 TEST(CudaKernelsEmulated, ShapesOfTheHeads) {
@@ -490,11 +539,11 @@ TEST(CudaKernelsEmulated, BitwiseTheSameFromRunToRun) {
 }
 
 /// The planned forward and backward of the official DCMHA (bf16, one group of 32 heads, D = Dv
-/// = 128, rank 2) on a device with `limits`.
+/// = 128, rank 2) on a device with `limits`: B sequences of T rows over S keys (0: T).
 dcmha::cuda::ForwardLaunch official_forward(const dcmha::cuda::DeviceLimits& limits,
-                                            index_t T = 4096) {
+                                            index_t T = 4096, index_t B = 4, index_t S = 0) {
   dcmha::detail::ForwardParams<bf16> p;
-  p.dims = {4, 32, 32, T, T, 128, 128, 1, 32};
+  p.dims = {B, 32, 32, T, S > 0 ? S : T, 128, 128, 1, 32};
   for (auto* side : {&p.compose.pre, &p.compose.post}) {
     side->query_wise = side->key_wise = true;
     side->qw1.shape[3] = side->kw1.shape[3] = 2;
@@ -515,6 +564,15 @@ TEST(CudaKernelsEmulated, LaunchPlans) {
   EXPECT_GE(official.geo.rows, 16);
   EXPECT_LE(official.blocks.shared_bytes(), DeviceLimits::sm90().shared_bytes);
   EXPECT_EQ(official.geo.splits, 1);
+  EXPECT_FALSE(official.geo.scores_kept);
+  // Its decode step (B = 8, one new row over 4096 keys) splits the keys and keeps the composed
+  // scores for the values launch (their floats a 64th of K's bytes); 64 new rows recompute them.
+  const dcmha::cuda::ForwardLaunch step = official_forward(DeviceLimits::sm90(), 1, 8, 4096);
+  EXPECT_GT(step.geo.splits, 1);
+  EXPECT_TRUE(step.geo.scores_kept);
+  const dcmha::cuda::ForwardLaunch chunk = official_forward(DeviceLimits::sm90(), 64, 8, 4096);
+  EXPECT_GT(chunk.geo.splits, 1);
+  EXPECT_FALSE(chunk.geo.scores_kept);
   // Without clusters (sm_80) 32 heads' tiles do not fit one block: a clear error.
   try {
     official_forward(DeviceLimits::sm80());
@@ -659,13 +717,16 @@ TEST(CudaKernelsEmulated, DecodeStepsAreTheForwardRows) {
     cfg.mask = dcmha::Mask::causal;
     cfg.window = window;
     const dcmha::test::DecodeSchedule schedule = {{17, 9}, {1, 14}, {3, 0}, {1, 5}, {18, 12}};
-    // Odd steps split the keys across blocks, as decode's plan does for long caches.
+    // Odd steps split the keys across blocks, as decode's plan does for long caches, the first
+    // of them keeping the composed scores for the values launch, the second recomputing them.
     int64_t step = 0;
     const auto outs = dcmha::test::decode_steps_with<float>(
         p, schedule, [&](const dcmha::test::DecodeStepTensors<float>& x) {
           cache.append(x.k, x.v, x.key_side, x.counts);
           LaunchOptions launch = c.launch;
-          launch.key_splits = step++ % 2 ? 3 : 1;
+          launch.key_splits = step % 2 ? 3 : 1;
+          launch.split_scores = step++ % 4 == 1 ? dcmha::cuda::SplitScores::kept
+                                                : dcmha::cuda::SplitScores::recomputed;
           dcmha::cuda::emulate::decode<float>(cfg, x.q, cache, x.query_side, x.out, launch);
         });
     int64_t padding_nonzero = 0;

@@ -53,7 +53,8 @@ double forward_backward_error(const ProblemSpec& s, const LaunchOptions& launch,
 }
 
 /// The problems: each kernel's paths (MHA in fragments, one pass, two passes, float through
-/// tiles), clusters, static W, GQA, split keys; every one crosses several key and query tiles.
+/// tiles), clusters, static W, GQA, split keys (kept scores too); every one crosses several key
+/// and query tiles.
 struct SyncCase {
   std::string name;
   double tolerance;
@@ -100,6 +101,10 @@ std::vector<SyncCase> cases() {
   out.push_back({"split keys bf16", 3e-2, [=] {
                    return forward_backward_error<bf16>(split, dcmha::test::tiles(0, 4, 3), 5);
                  }});
+  LaunchOptions kept = dcmha::test::tiles(0, 4, 3);  // the values launch reads kept scores
+  kept.split_scores = dcmha::cuda::SplitScores::kept;
+  out.push_back({"split keys bf16, kept scores", 3e-2,
+                 [=] { return forward_backward_error<bf16>(split, kept, 9); }});
   return out;
 }
 

@@ -19,8 +19,18 @@ struct BackendCase {
   std::string str() const {
     return spec.str() + " rows=" + std::to_string(launch.rows) +
            " cluster=" + std::to_string(launch.cluster) +
-           " splits=" + std::to_string(launch.key_splits) +
+           " splits=" + std::to_string(launch.key_splits) + split_scores() +
            (query_lengths.empty() ? "" : " lengths");
+  }
+  std::string split_scores() const {
+    switch (launch.split_scores) {
+      case cuda::SplitScores::kept:
+        return " scores=kept";
+      case cuda::SplitScores::recomputed:
+        return " scores=recomputed";
+      default:
+        return "";
+    }
   }
 };
 

@@ -96,9 +96,12 @@ void run_forward_launches(const char* fn, const detail::ForwardParams<T>& p, con
     launch(fn, kernel, l.blocks, stream, p, l.geo, split);
     return;
   }
-  launch(fn, kernel, l.blocks, stream, p, l.phase(ForwardPhase::split_statistics), split);
+  auto* split_kernel = kernel;
+  if constexpr (kRowTiles == 1)
+    if (l.geo.scores_kept) split_kernel = forward_kernel<T, kHeadDim, 1, true>;
+  launch(fn, split_kernel, l.blocks, stream, p, l.phase(ForwardPhase::split_statistics), split);
   launch(fn, combine_statistics_kernel<T>, l.per_head, stream, p, split);
-  launch(fn, kernel, l.blocks, stream, p, l.phase(ForwardPhase::split_values), split);
+  launch(fn, split_kernel, l.blocks, stream, p, l.phase(ForwardPhase::split_values), split);
   launch(fn, sum_splits_kernel<T>, l.per_head, stream, p, split);
 }
 

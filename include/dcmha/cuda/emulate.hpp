@@ -45,6 +45,11 @@ void run_forward(const detail::ForwardParams<T>& p, const ForwardLaunch& l) {
       emulator::launch(name, l.blocks.shape, [&](const HostBlock& blk) {
         dispatch_row_tiles<T, kHeadDim>(geo.warp_rows, [&](auto row_tiles) {
           constexpr int kRowTiles = decltype(row_tiles)::value;
+          if constexpr (kRowTiles == 1)
+            if (geo.scores_kept && phase != ForwardPhase::whole) {
+              ForwardKernel<T, kHeadDim, HostBlock, 1, true>(blk, p, geo, split).run();
+              return;
+            }
           ForwardKernel<T, kHeadDim, HostBlock, kRowTiles>(blk, p, geo, split).run();
         });
       });

@@ -81,6 +81,9 @@ struct ForwardGeometry {
   int slice_rows = 16;     // rows / (cluster / key_slices)
   int compose_parts = 1;   // lanes sharing one compose item's heads
   int splits = 1;          // blocks sharing a query tile's keys (decode)
+  // A split two-pass forward's statistics launch keeps the composed scores in the scratch and
+  // its values launch reads them back instead of staging K for QK^T and Compose_pre again.
+  bool scores_kept = false;
   detail::ComposeTermSets terms;
   ForwardLayout layout;
   index_t shared_bytes = 0;
@@ -156,9 +159,11 @@ struct ForwardTiles {
 /// The scratch of a forward whose keys are split across blocks: count 1 means not split.
 struct KeySplit {
   int count = 1;
-  float* stats = nullptr;  // [split][B][H][T][2]: each split's row max and sum
-  float* lse = nullptr;    // [B][H][T]
-  float* out = nullptr;    // [split][B][H][T][Dv]: each split's P'V
+  float* stats = nullptr;    // [split][B][H][T][2]: each split's row max and sum
+  float* lse = nullptr;      // [B][H][T]
+  float* out = nullptr;      // [split][B][H][T][Dv]: each split's P'V
+  float* scores = nullptr;   // [B][H][T][score_stride]: composed scores (scores_kept), by key
+  index_t score_stride = 0;  // S + kKeys: a split's last tile may reach past S
 };
 
 }  // namespace dcmha::cuda

@@ -19,7 +19,9 @@
 //
 // With few query tiles and many keys (decode) the keys of a tile are split across blocks: each
 // split's statistics, their combination into the lse (in split order), each split's P'V with
-// that lse, and the sum of the splits (in split order): four launches, deterministic.
+// that lse, and the sum of the splits (in split order): four launches, deterministic. Where the
+// composed scores are few (a decode step's rows) the statistics launch keeps them and the values
+// launch reads them instead of walking K again (kKeptScores).
 #include <cmath>
 
 #include "../common/mask.hpp"
@@ -34,7 +36,11 @@
 
 namespace dcmha::cuda {
 
-template <class T, int kHeadDim, class Block, int kRowTiles = 1>
+/// kKeptScores: the split launches of a forward that keeps its composed scores
+/// (ForwardGeometry::scores_kept), a kernel of their own: the statistics launch stores them, the
+/// values launch reads them. Either inside the whole forward makes ptxas spill its 255 registers
+/// (sm_90, head dim 128).
+template <class T, int kHeadDim, class Block, int kRowTiles = 1, bool kKeptScores = false>
 class ForwardKernel {
  public:
   static constexpr int kKeyTiles = kKeys / 8, kValueTiles = kHeadDim / 8;
@@ -43,6 +49,7 @@ class ForwardKernel {
   static constexpr bool kComposes = kRowTiles == 1;
   static constexpr int kItemRows = kForwardItemRows<T, kHeadDim>;
   static_assert(kRowTiles == 1 || kTensorCoreType<T>, "tall warps take P from registers");
+  static_assert(!kKeptScores || kComposes, "kept scores are composed");
 
   DCMHA_INLINE ForwardKernel(const Block& blk, const detail::ForwardParams<T>& p,
                              const ForwardGeometry& geo, const KeySplit& split)
@@ -68,7 +75,16 @@ class ForwardKernel {
   DCMHA_INLINE void run() {
     start();
     const detail::KeyRange keys = block_keys();
-    if (geo_.phase == ForwardPhase::split_values) {
+    if constexpr (kKeptScores) {
+      if (geo_.phase == ForwardPhase::split_statistics) {
+        statistics_pass(keys);
+        store_split_statistics();
+      } else {
+        load_split_lse();
+        kept_values_pass(keys);
+        store_split_output();
+      }
+    } else if (geo_.phase == ForwardPhase::split_values) {
       load_split_lse();
       values_pass(keys);
       store_split_output();
@@ -125,7 +141,7 @@ class ForwardKernel {
 
   DCMHA_INLINE void start() {
     const index_t qlen = query_length();
-    for (int j = 0; j < geo_.own_heads; ++j) {
+    for (int j = 0; j < (reads_kept_scores() ? 0 : geo_.own_heads); ++j) {  // no QK^T there
       const index_t h = g_ * geo_.M + rank_ * geo_.own_heads + j;
       stage_rows(blk_, sh().q().head(j), geo_.D, geo_.chunked_q, p_.q.data, [&](int r) -> const T* {
         const index_t t = t0_ + r;
@@ -181,7 +197,7 @@ class ForwardKernel {
   /// tiles (wait_values() before reading them).
   DCMHA_INLINE index_t first_key_tile(const detail::KeyRange& keys) {
     if (keys.empty()) return keys.end;
-    stage_keys(sh().k(0), p_.k, geo_.D, geo_.chunked_k, keys.begin);
+    if (!reads_kept_scores()) stage_keys(sh().k(0), p_.k, geo_.D, geo_.chunked_k, keys.begin);
     blk_.cp_async_commit();
     return keys.begin;
   }
@@ -192,7 +208,7 @@ class ForwardKernel {
     blk_.sync();
     if (values) stage_keys(sh().v(), p_.v, geo_.Dv, geo_.chunked_v, s0);
     blk_.cp_async_commit();
-    if (s0 + kKeys < keys.end)
+    if (!reads_kept_scores() && s0 + kKeys < keys.end)
       stage_keys(sh().k(stage ^ 1), p_.k, geo_.D, geo_.chunked_k, s0 + kKeys);
     blk_.cp_async_commit();
   }
@@ -234,6 +250,13 @@ class ForwardKernel {
     store_fragments(blk_, s[0], sh().scores().head(own_), row0_, 0, scale());
     stage_key_weights(0, p_.compose.pre, s0);
     if (post_keys) stage_key_weights(1, p_.compose.post, s0);
+    blk_.sync_cluster();
+  }
+
+  /// composed_scores() of a values launch reading kept scores: they are composed already.
+  DCMHA_INLINE void kept_scores(index_t s0) {
+    move_kept_scores(s0, sh().scores(), false);
+    stage_key_weights(1, p_.compose.post, s0);
     blk_.sync_cluster();
   }
 
@@ -284,6 +307,7 @@ class ForwardKernel {
       Scores s[kRowTiles];
       float factor[kRowTiles][2];
       softmax_step(s0, stage, s, factor, held);
+      if (keeps_scores()) move_kept_scores(s0, composed_tiles(), true);
     }
   }
 
@@ -331,11 +355,7 @@ class ForwardKernel {
       if constexpr (kComposes) {
         if (geo_.mode == ForwardMode::two_pass) {
           composed_scores(s0, stage, true);
-          compose_probabilities(s0);
-          blk_.sync_cluster();
-          wait_values();
-          product_rows_cols(blk_, sh().probs().head(own_), row0_, sh().v().head(kv_slot_), 0, 0,
-                            kKeys, out_[0]);
+          composed_values(s0);
           continue;
         }
       }
@@ -345,6 +365,25 @@ class ForwardKernel {
       for (int m = 0; m < kRowTiles; ++m) probabilities_of_fragments(m, s[m]);
       accumulate_values(s);
     }
+  }
+
+  /// The values launch of kept scores: pass 2 without K, QK^T and Compose_pre.
+  DCMHA_INLINE void kept_values_pass(const detail::KeyRange& keys) {
+    for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys) {
+      key_tile(s0, keys, 0, true);
+      kept_scores(s0);
+      composed_values(s0);
+    }
+  }
+
+  /// Pass 2's tile after its composed scores: P' of the block's slice to each head's owner, then
+  /// O += P' V.
+  DCMHA_INLINE void composed_values(index_t s0) {
+    compose_probabilities(s0);
+    blk_.sync_cluster();
+    wait_values();
+    product_rows_cols(blk_, sh().probs().head(own_), row0_, sh().v().head(kv_slot_), 0, 0, kKeys,
+                      out_[0]);
   }
 
   /// exp(s - lse) of the warp's row tile m (lse in shared memory), 0 for rows that see no key.
@@ -542,6 +581,31 @@ class ForwardKernel {
   }
 
   // --- split keys --------------------------------------------------------------------------------
+
+  /// Kept scores (kKeptScores): the statistics launch stores the composed scores of the real
+  /// rows, the values launch reads them in place of QK^T and Compose_pre.
+  DCMHA_INLINE bool keeps_scores() const {
+    return kKeptScores && geo_.phase == ForwardPhase::split_statistics;
+  }
+  DCMHA_INLINE bool reads_kept_scores() const {
+    return kKeptScores && geo_.phase == ForwardPhase::split_values;
+  }
+
+  /// The warp's real rows of its head's tile at s0 to the kept scores (`store`) or back, a lane
+  /// per key (kKeys lanes). Each split writes its own whole key tiles (-inf where no row sees a
+  /// key).
+  DCMHA_INLINE void move_kept_scores(index_t s0, const ScoreTiles& tiles, bool store) const {
+    static_assert(kKeys == kWarpSize, "a lane per key of the tile");
+    const ScoreTile t = tiles.head(own_);
+    const int key = lane_of(blk_);
+    for (int r = row0_; r < row0_ + kWarpRows && r < rows_real_; ++r) {
+      float* kept = split_.scores + row_index(r) * split_.score_stride + s0 + key;
+      if (store)
+        blk_.store_global(kept, blk_.load_shared(t.at(r, key)));
+      else
+        blk_.store_shared(t.at(r, key), blk_.load_global(kept));
+    }
+  }
 
   DCMHA_INLINE index_t row_index(int r) const {
     return (b_ * p_.dims.H + head_) * p_.dims.T + t0_ + r;

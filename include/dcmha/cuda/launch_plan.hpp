@@ -35,6 +35,14 @@ struct DeviceLimits {
   static DeviceLimits sm80() { return {163 * 1024, 1, 108}; }
 };
 
+/// What the values launch of a split two-pass forward (DCMHA decode) takes its composed scores
+/// from: the statistics launch's, kept in the scratch, or QK^T and Compose_pre again over K.
+enum class SplitScores : int {
+  planned,     // kept where they take at most a quarter of K's bytes (a decode step's few rows)
+  kept,        // always kept
+  recomputed,  // never kept
+};
+
 /// Overrides for tests and tuning: 0 keeps the planned value.
 struct LaunchOptions {
   index_t rows = 0;      // query rows per block (a multiple of 16): forward, backward query side
@@ -53,6 +61,7 @@ struct LaunchOptions {
   // the same call gives the same bits; false lets every key block add to one in a single launch
   // (FlashAttention-2's default: fewer launches, dQ's last bits varying from run to run).
   bool deterministic = true;
+  SplitScores split_scores = SplitScores::planned;
 };
 
 /// Warps per block at most: each thread may then keep up to 255 registers (runtime.hpp's
@@ -186,7 +195,9 @@ struct ForwardLaunch {
   KernelLaunch per_head;
 
   index_t scratch_elements(const detail::AttentionDims& d) const {
-    return geo.splits > 1 ? d.B * d.H * d.T * (2 * geo.splits + 1 + geo.splits * d.Dv) : 0;
+    if (geo.splits == 1) return 0;
+    const index_t kept = geo.scores_kept ? d.S + kKeys : 0;
+    return d.B * d.H * d.T * (2 * geo.splits + 1 + geo.splits * d.Dv + kept);
   }
   KeySplit carve(float* base, const detail::AttentionDims& d) const {
     KeySplit k;
@@ -196,13 +207,19 @@ struct ForwardLaunch {
     k.stats = base;
     k.lse = k.stats + 2 * geo.splits * rows;
     k.out = k.lse + rows;
+    if (geo.scores_kept) {
+      k.scores = k.out + geo.splits * rows * d.Dv;
+      k.score_stride = d.S + kKeys;
+    }
     return k;
   }
   /// The blocks' geometry in one phase (the split launches run pass by pass); the layout stays
-  /// the whole forward's, which holds every phase's arrays.
+  /// the whole forward's, which holds every phase's arrays. A values launch that reads kept
+  /// scores has no Compose_pre left to apply: they are composed already.
   ForwardGeometry phase(ForwardPhase p) const {
     ForwardGeometry g = geo;
     g.phase = p;
+    if (p == ForwardPhase::split_values && g.scores_kept) g.terms.pre = {};
     return g;
   }
 };
@@ -210,6 +227,20 @@ struct ForwardLaunch {
 /// A forward whose query tiles are fewer than this splits its keys (two blocks per
 /// multiprocessor), each split keeping at least kMinTilesPerSplit key tiles.
 constexpr index_t kMinTilesPerSplit = 4;
+
+/// Whether a split two-pass forward keeps its composed scores for the values launch. Kept, the
+/// scores cost B H T (S + kKeys) floats of scratch, written once and read once; recomputed, K
+/// (B Hk S D elements) and the key-wise terms are read a second time, after the whole cache has
+/// streamed past. Planned: kept where the floats are at most a quarter of K's bytes.
+template <class T>
+bool keeps_split_scores(const detail::ForwardParams<T>& p, const ForwardGeometry& geo,
+                        SplitScores choice) {
+  if (geo.splits == 1 || geo.mode != ForwardMode::two_pass || choice == SplitScores::recomputed)
+    return false;
+  const index_t score_bytes = 4 * p.dims.H * p.dims.T * (p.dims.S + kKeys);
+  const index_t key_bytes = p.dims.Hk * p.dims.S * p.dims.D * index_t(sizeof(T));
+  return choice == SplitScores::kept || 4 * score_bytes <= key_bytes;
+}
 
 template <class T>
 ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
@@ -256,6 +287,7 @@ ForwardLaunch forward_launch(const char* fn, const detail::ForwardParams<T>& p,
               ? opt.key_splits
               : std::max<index_t>(1, std::min(target / clusters, key_tiles / kMinTilesPerSplit)));
   geo.splits = int(std::min<index_t>(geo.splits, 65535 / p.dims.B));
+  geo.scores_kept = keeps_split_scores(p, geo, opt.split_scores);
   l.blocks.shape.shared_bytes = std::size_t(geo.shared_bytes);
   l.blocks.shape.x = tiles * geo.cluster;
   l.blocks.shape.y = p.dims.G;
