@@ -336,10 +336,17 @@ void model_decode(index_t head_dim) {
       (long long)s.B, (long long)s.H, (long long)s.D, (long long)s.S);
   print_decode_row("MHA decode", mha);
   print_decode_row("DCMHA decode", dcmha);
-  std::printf(
-      "DCMHA reads K and the key-wise terms twice (%.0f MB), %.0f MB of them again from HBM "
-      "(past the L2's %.0f MB)\n",
-      decode_twice_read_bytes(s) / 1e6, dcmha.reread_bytes / 1e6, Ceilings{}.l2_capacity / 1e6);
+  if (dcmha.plan.geo.scores_kept)
+    std::printf(
+        "DCMHA's values launch reads the composed scores its statistics launch kept (%.1f MB "
+        "written and read back) instead of K and the key-wise terms again (%.0f MB)\n",
+        dcmha.kept_scores_bytes / 1e6, decode_twice_read_bytes(s) / 1e6);
+  else
+    std::printf(
+        "DCMHA reads K and the key-wise terms twice (%.0f MB), %.0f MB of them again from HBM "
+        "(past the L2's %.0f MB)\n",
+        decode_twice_read_bytes(s) / 1e6, dcmha.reread_bytes / 1e6,
+        dcmha.ceilings.l2_capacity / 1e6);
   std::printf("units, summed over launches:\n");
   print_units("our MHA decode", ours(mha.step));
   print_units("our DCMHA decode", ours(dcmha.step));

@@ -31,25 +31,31 @@ struct DecodeShape {
   bool dcmha = false;
 };
 
+/// Bytes of the cache's K (or V) and of its key-wise terms, both sides' (DCMHA).
+inline double decode_k_bytes(const DecodeShape& s) {
+  return double(s.B) * double(s.S) * double(s.H) * double(s.D) * 2;
+}
+inline double decode_key_terms_bytes(const DecodeShape& s) {
+  return s.dcmha ? double(s.B) * double(s.S) * double(s.H) * 2 * (2 * double(s.R) + 1) * 2 : 0;
+}
+
 /// Bytes a decode step must move through HBM: the cache's K, V (and key-wise terms) read once,
 /// the new token's query, query-wise terms and output.
 inline double decode_compulsory_bytes(const DecodeShape& s) {
-  const double element = 2, keys = double(s.B) * double(s.S), heads = double(s.H);
-  const double cache = keys * heads * double(s.D) * element * 2;
-  const double key_terms = s.dcmha ? keys * heads * 2 * (2 * double(s.R) + 1) * element : 0;
-  const double query_terms = s.dcmha ? double(s.B) * heads * 2 * (2 * double(s.R) + 1) * 2 : 0;
-  return cache + key_terms + query_terms + 2 * double(s.B) * heads * double(s.D) * element;
+  const double heads = double(s.B) * double(s.H);
+  const double query_terms = s.dcmha ? heads * 2 * (2 * double(s.R) + 1) * 2 : 0;
+  return 2 * decode_k_bytes(s) + decode_key_terms_bytes(s) + query_terms +
+         2 * heads * double(s.D) * 2;
 }
 
-/// Bytes of the cache a decode step reads twice. DCMHA's probabilities need every head's lse
-/// over all keys before Compose_post mixes them, so its step walks the keys twice (the
-/// statistics, then the values), reading K and the key-wise terms each time; MHA walks them
-/// once. Between the two reads the whole cache streams past (every block walks all its keys),
-/// so no more of it than the L2 holds can still be there.
+/// Bytes of the cache a decode step whose values launch recomputes the composed scores reads
+/// twice. DCMHA's probabilities need every head's lse over all keys before Compose_post mixes
+/// them, so its step walks the keys twice (the statistics, then the values), recomputing the
+/// scores from K and the key-wise terms; MHA walks them once. Between the two reads the whole
+/// cache streams past (every block walks all its keys), so no more of it than the L2 holds can
+/// still be there.
 inline double decode_twice_read_bytes(const DecodeShape& s) {
-  if (!s.dcmha) return 0;
-  const double element = 2, keys = double(s.B) * double(s.S), heads = double(s.H);
-  return keys * heads * (double(s.D) + 2 * (2 * double(s.R) + 1)) * element;
+  return s.dcmha ? decode_k_bytes(s) + decode_key_terms_bytes(s) / 2 : 0;
 }
 
 /// One decode step's tensors: a cache whose slots are `storage` (random where emulated; a far
@@ -156,18 +162,22 @@ inline Counts emulate_decode(const DecodeShape& s, const cuda::ForwardLaunch& pl
 }
 
 /// Our decode step's work at shape s: emulated on one sequence (MHA: two heads) at four cache
-/// lengths, fitted in S and scaled to B and H. Its HBM bytes are the floor's and the second
-/// read of what the L2 cannot hold.
+/// lengths, fitted in S and scaled to B and H. Its HBM bytes are the floor's and, for DCMHA, the
+/// kept scores written and read back (the statistics launch's K streams past them) or, where
+/// the values launch recomputes them, the second read of what the L2 cannot hold.
 struct DecodeWork {
   cuda::ForwardLaunch plan;
   std::array<index_t, 4> lengths{};
   OperationWork step;
-  double floor_bytes = 0;   // what any decode kernel moves: decode_compulsory_bytes
-  double reread_bytes = 0;  // read again from HBM: decode_twice_read_bytes less the L2
+  Ceilings ceilings;
+  double floor_bytes = 0;        // what any decode kernel moves: decode_compulsory_bytes
+  double kept_scores_bytes = 0;  // the kept scores' floats, written and read (scores_kept)
+  double reread_bytes = 0;       // read again from HBM: decode_twice_read_bytes less the L2
 };
 
 inline DecodeWork decode_work(const DecodeShape& s, const Ceilings& ceilings = {}) {
   DecodeWork r;
+  r.ceilings = ceilings;
   r.plan = decode_plan(s);
   DecodeShape e = s;
   e.B = 1;
@@ -182,8 +192,11 @@ inline DecodeWork decode_work(const DecodeShape& s, const Ceilings& ceilings = {
   e.S = r.lengths[0];
   r.step.data_error = counts_difference(runs[0], emulate_decode(e, r.plan, kInputDraw + 1));
   r.floor_bytes = decode_compulsory_bytes(s);
-  r.reread_bytes = std::max(0.0, decode_twice_read_bytes(s) - ceilings.l2_capacity);
-  r.step.total.hbm_bytes = r.floor_bytes + r.reread_bytes;
+  if (r.plan.geo.scores_kept)
+    r.kept_scores_bytes = 2.0 * 4 * double(s.B) * double(s.H) * double(s.S + cuda::kKeys);
+  else
+    r.reread_bytes = std::max(0.0, decode_twice_read_bytes(s) - ceilings.l2_capacity);
+  r.step.total.hbm_bytes = r.floor_bytes + r.kept_scores_bytes + r.reread_bytes;
   return r;
 }
 
