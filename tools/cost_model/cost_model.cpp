@@ -339,7 +339,8 @@ void model_decode(index_t head_dim) {
   if (dcmha.plan.geo.scores_kept)
     std::printf(
         "DCMHA's values launch reads the composed scores its statistics launch kept (%.1f MB "
-        "written and read back) instead of K and the key-wise terms again (%.0f MB)\n",
+        "written and read back) instead of K and the pre-compose key-wise terms again (%.0f "
+        "MB)\n",
         dcmha.kept_scores_bytes / 1e6, decode_twice_read_bytes(s) / 1e6);
   else
     std::printf(

@@ -96,6 +96,8 @@ struct Plans {
   cuda::LaunchOptions forward_options() const {
     cuda::LaunchOptions o;
     o.rows = forward.geo.rows, o.cluster = forward.geo.cluster, o.key_splits = forward.geo.splits;
+    o.split_scores =
+        forward.geo.scores_kept ? cuda::SplitScores::kept : cuda::SplitScores::recomputed;
     return o;
   }
   cuda::LaunchOptions backward_options() const {
