@@ -193,7 +193,7 @@ inline DecodeWork decode_work(const DecodeShape& s, const Ceilings& ceilings = {
   r.step.data_error = counts_difference(runs[0], emulate_decode(e, r.plan, kInputDraw + 1));
   r.floor_bytes = decode_compulsory_bytes(s);
   if (r.plan.geo.scores_kept)
-    r.kept_scores_bytes = 2.0 * 4 * double(s.B) * double(s.H) * double(s.S + cuda::kKeys);
+    r.kept_scores_bytes = 2.0 * 4 * double(s.B) * double(s.H) * double(cuda::kept_score_row(s.S));
   else
     r.reread_bytes = std::max(0.0, decode_twice_read_bytes(s) - ceilings.l2_capacity);
   r.step.total.hbm_bytes = r.floor_bytes + r.kept_scores_bytes + r.reread_bytes;

@@ -159,11 +159,13 @@ struct ForwardTiles {
 /// The scratch of a forward whose keys are split across blocks: count 1 means not split.
 struct KeySplit {
   int count = 1;
-  float* stats = nullptr;    // [split][B][H][T][2]: each split's row max and sum
-  float* lse = nullptr;      // [B][H][T]
-  float* out = nullptr;      // [split][B][H][T][Dv]: each split's P'V
-  float* scores = nullptr;   // [B][H][T][score_stride]: composed scores (scores_kept), by key
-  index_t score_stride = 0;  // S + kKeys: a split's last tile may reach past S
+  float* stats = nullptr;   // [split][B][H][T][2]: each split's row max and sum
+  float* lse = nullptr;     // [B][H][T]
+  float* out = nullptr;     // [split][B][H][T][Dv]: each split's P'V
+  float* scores = nullptr;  // [B][H][T][kept_score_row(S)]: composed scores (scores_kept)
 };
+
+/// Floats of one row's kept scores, by key: a split's last tile may reach kKeys past S.
+DCMHA_INLINE constexpr index_t kept_score_row(index_t S) { return S + kKeys; }
 
 }  // namespace dcmha::cuda

@@ -599,7 +599,7 @@ class ForwardKernel {
     const ScoreTile t = tiles.head(own_);
     const int key = lane_of(blk_);
     for (int r = row0_; r < row0_ + kWarpRows && r < rows_real_; ++r) {
-      float* kept = split_.scores + row_index(r) * split_.score_stride + s0 + key;
+      float* kept = split_.scores + row_index(r) * kept_score_row(p_.dims.S) + s0 + key;
       if (store)
         blk_.store_global(kept, blk_.load_shared(t.at(r, key)));
       else

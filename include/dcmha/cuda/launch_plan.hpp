@@ -196,7 +196,7 @@ struct ForwardLaunch {
 
   index_t scratch_elements(const detail::AttentionDims& d) const {
     if (geo.splits == 1) return 0;
-    const index_t kept = geo.scores_kept ? d.S + kKeys : 0;
+    const index_t kept = geo.scores_kept ? kept_score_row(d.S) : 0;
     return d.B * d.H * d.T * (2 * geo.splits + 1 + geo.splits * d.Dv + kept);
   }
   KeySplit carve(float* base, const detail::AttentionDims& d) const {
@@ -207,10 +207,7 @@ struct ForwardLaunch {
     k.stats = base;
     k.lse = k.stats + 2 * geo.splits * rows;
     k.out = k.lse + rows;
-    if (geo.scores_kept) {
-      k.scores = k.out + geo.splits * rows * d.Dv;
-      k.score_stride = d.S + kKeys;
-    }
+    if (geo.scores_kept) k.scores = k.out + geo.splits * rows * d.Dv;
     return k;
   }
   /// The blocks' geometry in one phase (the split launches run pass by pass); the layout stays
@@ -229,15 +226,16 @@ struct ForwardLaunch {
 constexpr index_t kMinTilesPerSplit = 4;
 
 /// Whether a split two-pass forward keeps its composed scores for the values launch. Kept, the
-/// scores cost B H T (S + kKeys) floats of scratch, written once and read once; recomputed, K
-/// (B Hk S D elements) and the key-wise terms are read a second time, after the whole cache has
-/// streamed past. Planned: kept where the floats are at most a quarter of K's bytes.
+/// scores cost B H T kept_score_row(S) floats of scratch, written once and read once;
+/// recomputed, K (B Hk S D elements) and the key-wise terms are read a second time, after the
+/// whole cache has streamed past. Planned: kept where the floats are at most a quarter of K's
+/// bytes.
 template <class T>
 bool keeps_split_scores(const detail::ForwardParams<T>& p, const ForwardGeometry& geo,
                         SplitScores choice) {
   if (geo.splits == 1 || geo.mode != ForwardMode::two_pass || choice == SplitScores::recomputed)
     return false;
-  const index_t score_bytes = 4 * p.dims.H * p.dims.T * (p.dims.S + kKeys);
+  const index_t score_bytes = 4 * p.dims.H * p.dims.T * kept_score_row(p.dims.S);
   const index_t key_bytes = p.dims.Hk * p.dims.S * p.dims.D * index_t(sizeof(T));
   return choice == SplitScores::kept || 4 * score_bytes <= key_bytes;
 }
