@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include <dcmha/cuda/emulate.hpp>
+#include "support/emulated_kernels.hpp"
 
 #include "reference/reference.hpp"
 #include "support/backend_cases.hpp"
