@@ -1,7 +1,7 @@
 #pragma once
 // The CUDA kernels' emulated launches (dcmha/cuda/emulate.hpp) compiled once for the test build
-// instead of once per test file: the emulated tests include this header, whose explicit
-// instantiation declarations keep each file from instantiating the launches, and link
+// instead of once per file: the emulated tests and the cost model include this header, whose
+// explicit instantiation declarations keep each file from instantiating the launches, and link
 // dcmha_emulated_kernels, which defines them (kernels/emulated_launches.cpp.in), one translation
 // unit per storage type and direction so that they compile in parallel.
 #include <dcmha/cuda/emulate.hpp>

@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include <dcmha/cuda/emulate.hpp>
+#include "support/emulated_kernels.hpp"
 
 #include "emulated_work.hpp"
 #include "h200_model.hpp"

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include <dcmha/cuda/emulate.hpp>
+#include "support/emulated_kernels.hpp"
 
 #include "work.hpp"
 
