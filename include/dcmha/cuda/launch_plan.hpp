@@ -5,7 +5,7 @@
 //
 // The plan's choices, in order (docs/design.md says why):
 //   - the head-dim class: the smallest of 32, 64, 96, 128, 256 holding D and Dv (padded with
-//   zeros);
+//   zeros), among those compiled (DCMHA_CUDA_HEAD_DIMS);
 //   - the cluster: the M heads of a compose group are split over `cluster` blocks of one cluster
 //     (a divisor of M, at most the device's cluster size), each owning M / cluster heads;
 //   - the rows: the most (up to 128) whose tiles fit the shared memory, with one warp per
@@ -14,6 +14,8 @@
 //   - key splits where the query tiles are few and the keys many (decode).
 #include <algorithm>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "../common/compose_terms.hpp"
 #include "../error.hpp"
@@ -76,31 +78,51 @@ constexpr int kLeastSliceKeys = 8;
 /// How many ways such a cluster splits a tile's keys; its rows go cluster / that many ways.
 inline int key_slices_of(int cluster) { return std::min(cluster, kKeys / kLeastSliceKeys); }
 
-/// The head-dim classes the kernels are compiled for.
-constexpr int kHeadDims[] = {32, 64, 96, 128, 256};
+// The head-dim classes the kernels are compiled for: all five unless the including code lists
+// fewer, ascending (-DDCMHA_CUDA_HEAD_DIMS=64,128). Each class is a set of kernels that takes
+// nvcc minutes per architecture; a call whose head dim needs a class left out is refused.
+#ifndef DCMHA_CUDA_HEAD_DIMS
+#define DCMHA_CUDA_HEAD_DIMS 32, 64, 96, 128, 256
+#endif
+#define DCMHA_CUDA_DETAIL_STRINGIZE_LIST(...) #__VA_ARGS__
+#define DCMHA_CUDA_DETAIL_STRINGIZE(...) DCMHA_CUDA_DETAIL_STRINGIZE_LIST(__VA_ARGS__)
 
+constexpr int kHeadDims[] = {DCMHA_CUDA_HEAD_DIMS};
+constexpr int kHeadDimCount = int(sizeof(kHeadDims) / sizeof(kHeadDims[0]));
+
+constexpr bool head_dims_are_classes() {
+  int previous = 0;
+  for (int c : kHeadDims) {
+    if (c <= previous || (c != 32 && c != 64 && c != 96 && c != 128 && c != 256)) return false;
+    previous = c;
+  }
+  return true;
+}
+static_assert(head_dims_are_classes(),
+              "DCMHA_CUDA_HEAD_DIMS: expected distinct classes among 32, 64, 96, 128, 256, "
+              "ascending");
+
+/// The smallest compiled class holding max(D, Dv) (padded with zeros).
 inline int head_dim_class(const char* fn, index_t D, index_t Dv) {
   const index_t widest = std::max(D, Dv);
   for (int c : kHeadDims)
     if (widest <= c) return c;
-  detail::fail(fn, ": head dim ", widest, " (max of D and Dv): expected at most 256");
+  detail::fail(fn, ": head dim ", widest, " (max of D and Dv): expected at most ",
+               kHeadDims[kHeadDimCount - 1], " (the head-dim classes compiled: ",
+               DCMHA_CUDA_DETAIL_STRINGIZE(DCMHA_CUDA_HEAD_DIMS), ")");
   return 0;
 }
 
-/// Calls f(std::integral_constant<int, kHeadDim>) for the class.
-template <class F>
+/// Calls f(std::integral_constant<int, kHeadDim>) for the class, a compiled one
+/// (head_dim_class's): only those are instantiated.
+template <int kIndex = 0, class F>
 decltype(auto) dispatch_head_dim(int head_dim, F&& f) {
-  switch (head_dim) {
-    case 32:
-      return f(std::integral_constant<int, 32>{});
-    case 64:
-      return f(std::integral_constant<int, 64>{});
-    case 96:
-      return f(std::integral_constant<int, 96>{});
-    case 128:
-      return f(std::integral_constant<int, 128>{});
-    default:
-      return f(std::integral_constant<int, 256>{});
+  constexpr int kHeadDim = kHeadDims[kIndex];
+  if constexpr (kIndex + 1 == kHeadDimCount) {
+    return f(std::integral_constant<int, kHeadDim>{});
+  } else {
+    if (head_dim == kHeadDim) return f(std::integral_constant<int, kHeadDim>{});
+    return dispatch_head_dim<kIndex + 1>(head_dim, std::forward<F>(f));
   }
 }
 
