@@ -178,28 +178,34 @@ void launch_backward(const char* fn, detail::BackwardParams<T> p, DeviceWorkspac
   if (l.key.dkv_per_head) launch(fn, head_grad_kernel<T>, l.head_sums, stream, p, scratch);
 }
 
+// The entry points of one storage type. Each is a template over nothing but an unused int, its
+// parameter types fixed (implicit conversions, as to const views, work as for a function): only
+// a call instantiates its kernels, so a .cu file compiles the storage types it calls, not all
+// three (each is minutes of nvcc per head-dim class and architecture).
 #define DCMHA_DEFINE_CUDA_ENTRY_POINTS(T)                                                         \
-  inline void forward(const AttentionConfig& cfg, TensorView<const T, 4> q,                       \
-                      TensorView<const T, 4> k, TensorView<const T, 4> v, TensorView<T, 4> out,   \
-                      TensorView<acc_t<T>, 3> lse, const ComposeWeights<T>& compose,              \
-                      DeviceWorkspace& workspace, cudaStream_t stream = 0,                        \
-                      const LaunchOptions& launch = {}) {                                         \
+  template <int = 0>                                                                              \
+  void forward(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,    \
+               TensorView<const T, 4> v, TensorView<T, 4> out, TensorView<acc_t<T>, 3> lse,       \
+               const ComposeWeights<T>& compose, DeviceWorkspace& workspace,                      \
+               cudaStream_t stream = 0, const LaunchOptions& launch = {}) {                       \
     const char* fn = "dcmha::cuda::forward";                                                      \
     launch_forward(fn, detail::forward_params(fn, cfg, q, k, v, out, lse, compose), workspace,    \
                    stream, launch);                                                               \
   }                                                                                               \
-  inline void backward(                                                                           \
-      const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,             \
-      TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse, TensorView<const T, 4> dout,   \
-      TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv,                              \
-      const ComposeWeights<T>& compose, const ComposeGrads<T>& dcompose,                          \
-      DeviceWorkspace& workspace, cudaStream_t stream = 0, const LaunchOptions& launch = {}) {    \
+  template <int = 0>                                                                              \
+  void backward(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,   \
+                TensorView<const T, 4> v, TensorView<const acc_t<T>, 3> lse,                      \
+                TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk,            \
+                TensorView<T, 4> dv, const ComposeWeights<T>& compose,                            \
+                const ComposeGrads<T>& dcompose, DeviceWorkspace& workspace,                      \
+                cudaStream_t stream = 0, const LaunchOptions& launch = {}) {                      \
     const char* fn = "dcmha::cuda::backward";                                                     \
     launch_backward(                                                                              \
         fn, detail::backward_params(fn, cfg, q, k, v, lse, dout, dq, dk, dv, compose, dcompose),  \
         workspace, stream, launch);                                                               \
   }                                                                                               \
-  inline void backward(                                                                           \
+  template <int = 0>                                                                              \
+  void backward(                                                                                  \
       const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<const T, 4> k,             \
       TensorView<const T, 4> v, TensorView<const T, 4> out, TensorView<const acc_t<T>, 3> lse,    \
       TensorView<const T, 4> dout, TensorView<T, 4> dq, TensorView<T, 4> dk, TensorView<T, 4> dv, \
