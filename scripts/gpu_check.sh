@@ -9,7 +9,9 @@
 #   step        budget  what
 #   device       20 s   nvidia-smi, nvcc --version
 #   configure    60 s   CMake for sm_90 only, no -Werror (a warning must not cost the lease)
-#   build       180 s   test_cuda_gpu and dcmha_cuda_bench only, ninja where present, all cores
+#   build       180 s   test_cuda_gpu and dcmha_cuda_bench only, ninja where present, all cores:
+#                       24 kernel units (3 types x head-dim classes 32-128 x forward, backward;
+#                       no case uses 256), each at most 100 s of one core (docs/performance.md)
 #   gpu-tests    60 s   test_cuda_gpu: CUDA results against the reference, decode, determinism
 #   memcheck     30 s   compute-sanitizer on CudaGpu.SmallCaseForTheSanitizers* (a small case
 #   racecheck    30 s     of every kernel): out-of-bounds accesses, shared-memory races,
@@ -141,7 +143,7 @@ configure_build() {
   local args=(-S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DDCMHA_CUDA=ON
     -DCMAKE_CUDA_ARCHITECTURES=90 -DDCMHA_WERROR=OFF -DDCMHA_BUILD_TESTS=ON
     -DDCMHA_BUILD_BENCHMARKS=ON -DDCMHA_BUILD_EXAMPLES=OFF -DDCMHA_BUILD_FUZZER=OFF
-    -DDCMHA_INSTALL=OFF -DDCMHA_CUDA_COMPILE_CHECK=OFF)
+    -DDCMHA_INSTALL=OFF -DDCMHA_CUDA_COMPILE_CHECK=OFF "-DDCMHA_CUDA_HEAD_DIMS=32;64;96;128")
   if [ -d "$ROOT/.deps" ]; then args+=(-DCMAKE_PREFIX_PATH="$ROOT/.deps"); fi
   # A build directory keeps its first generator; ask for ninja only in a new one.
   if [ ! -f "$BUILD/CMakeCache.txt" ] && command -v ninja >/dev/null 2>&1; then

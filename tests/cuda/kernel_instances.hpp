@@ -1,25 +1,14 @@
 #pragma once
 // The CUDA backend's kernels compiled once for the tests and benchmarks, one translation unit
-// per (storage type, head-dim class) (kernel_instance.cu, built by CMakeLists.txt for each) so
-// that they compile in parallel: each .cu that includes this header declares them extern and
-// links dcmha_cuda_test_kernels.
-#include <dcmha/cuda/attention.hpp>
-#include <dcmha/cuda/decode.hpp>
+// per (storage type, head-dim class, direction) (kernel_instance.cu, built by CMakeLists.txt for
+// each, through dcmha/cuda/instances.hpp as a project would) so that they compile in parallel;
+// the entry points' dispatch and the kernels outside the classes in kernel_instances.cu. Each .cu
+// that includes this header declares them extern and links dcmha_cuda_test_kernels. A class left
+// out of DCMHA_CUDA_HEAD_DIMS is declared but never used: the entry points dispatch to the
+// listed ones only.
+#include <dcmha/cuda/instances.hpp>
 
-#define DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, D)                                                \
-  PREFIX void dcmha::cuda::run_forward_kernels<T, D>(                                           \
-      const char*, const dcmha::detail::ForwardParams<T>&, const dcmha::cuda::ForwardLaunch&,   \
-      const dcmha::cuda::KeySplit&, cudaStream_t);                                              \
-  PREFIX void dcmha::cuda::run_backward_kernels<T, D>(                                          \
-      const char*, const dcmha::detail::BackwardParams<T>&, const dcmha::cuda::BackwardLaunch&, \
-      const dcmha::cuda::BackwardScratch&, cudaStream_t);
-
-#define DCMHA_CUDA_TYPE_INSTANCES(PREFIX, T)                                                 \
-  DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, 32)                                                  \
-  DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, 64)                                                  \
-  DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, 96)                                                  \
-  DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, 128)                                                 \
-  DCMHA_CUDA_CLASS_INSTANCES(PREFIX, T, 256)                                                 \
+#define DCMHA_CUDA_TEST_LAUNCHES(PREFIX, T)                                                  \
   PREFIX void dcmha::cuda::launch_forward<T>(const char*, dcmha::detail::ForwardParams<T>,   \
                                              dcmha::cuda::DeviceWorkspace&, cudaStream_t,    \
                                              const dcmha::cuda::LaunchOptions&);             \
@@ -27,8 +16,9 @@
                                               dcmha::cuda::DeviceWorkspace&, cudaStream_t,   \
                                               const dcmha::cuda::LaunchOptions&);
 
-#ifndef DCMHA_CUDA_DEFINE_INSTANCES
-DCMHA_CUDA_TYPE_INSTANCES(extern template, float)
-DCMHA_CUDA_TYPE_INSTANCES(extern template, dcmha::bf16)
-DCMHA_CUDA_TYPE_INSTANCES(extern template, dcmha::half)
-#endif
+DCMHA_CUDA_KERNELS_ELSEWHERE(float)
+DCMHA_CUDA_KERNELS_ELSEWHERE(dcmha::bf16)
+DCMHA_CUDA_KERNELS_ELSEWHERE(dcmha::half)
+DCMHA_CUDA_TEST_LAUNCHES(extern template, float)
+DCMHA_CUDA_TEST_LAUNCHES(extern template, dcmha::bf16)
+DCMHA_CUDA_TEST_LAUNCHES(extern template, dcmha::half)
