@@ -109,6 +109,20 @@ struct BackwardGeometry {
   template <class T, int kHeadDim>
   void lay_out() {
     SharedCarver c;
+    carve_operands<T, kHeadDim>(c);
+    carve_chain<T>(c);
+    // Query-wise weights of the rows composed; key-wise ones of the keys composed (query side,
+    // every key tile) or of every resident key (key side, once).
+    for (int s = 0; s < 2; ++s)
+      layout.side[s].template carve<T>(c, s == 0 ? terms.pre : terms.post, M, sum_rows(),
+                                       key_side ? tile_keys() : slice_keys);
+    shared_bytes = c.bytes();
+  }
+
+ private:
+  /// Q, dO, K and V in two stages each where they stream.
+  template <class T, int kHeadDim>
+  void carve_operands(SharedCarver& c) {
     BackwardLayout& l = layout;
     for (int s = 0; s < 2; ++s) {
       const int heads = s == 0 || key_side ? own_heads : 0;  // streamed on the key side
@@ -121,6 +135,12 @@ struct BackwardGeometry {
       l.k[s] = OperandTiles<T>::carve(c, s == 0 || !key_side ? kv_slots : 0, tile_keys(), kHeadDim);
       l.v[s] = OperandTiles<T>::carve(c, s == 0 ? kv_slots : 0, tile_keys(), kHeadDim);
     }
+  }
+  /// The chain's score tiles (none in fragments), P and dS as operands, the row statistics, the
+  /// projections' sums and the weight gradients.
+  template <class T>
+  void carve_chain(SharedCarver& c) {
+    BackwardLayout& l = layout;
     const int heads = registers ? 0 : own_heads;
     l.scores = ScoreTiles::carve(c, heads, tile_rows(), tile_keys());
     l.upstream = ScoreTiles::carve(c, heads, tile_rows(), tile_keys());
@@ -134,12 +154,6 @@ struct BackwardGeometry {
     l.row_dot = c.take<float>(index_t(own_heads) * tile_rows());
     l.sums = ChainSums::carve(c, int(terms.largest_rank()), registers ? 0 : sum_rows(), sum_keys());
     l.grads = c.take<float>(registers ? 0 : index_t(rows) * own_heads * 2 * (2 * kMaxRank + 1));
-    // Query-wise weights of the rows composed; key-wise ones of the keys composed (query side,
-    // every key tile) or of every resident key (key side, once).
-    for (int s = 0; s < 2; ++s)
-      l.side[s].template carve<T>(c, s == 0 ? terms.pre : terms.post, M, sum_rows(),
-                                  key_side ? tile_keys() : slice_keys);
-    shared_bytes = c.bytes();
   }
 };
 

@@ -65,20 +65,15 @@ class DecodeCache {
     const char* fn = "dcmha::cuda::DecodeCache::append";
     state_->append_rows(fn, k_new, v_new, key_side, counts,
                         [&](index_t n, const index_t* lengths, const index_t* step_counts) {
-                          copy_tokens(fn, n, lengths, step_counts, k_new, v_new, key_side, stream);
+                          copy_tokens(fn, n, lengths, step_counts,
+                                      append_params(k_new, v_new, key_side), stream);
                         });
   }
 
  private:
-  void copy_tokens(const char* fn, index_t n, const index_t* lengths, const index_t* counts,
-                   TensorView<const T, 4> k_new, TensorView<const T, 4> v_new,
-                   const ComposeWeights<T>& key_side, cudaStream_t stream) {
-    const index_t B = config().B;
-    staged_.assign(lengths, lengths + B);
-    staged_.insert(staged_.end(), counts, counts + B);
-    check(fn, "cudaMemcpyAsync",
-          cudaMemcpyAsync(indices_, staged_.data(), 2 * B * sizeof(index_t), cudaMemcpyHostToDevice,
-                          stream));
+  /// The append kernel's parameters, less the step's lengths and counts.
+  AppendParams<T> append_params(TensorView<const T, 4> k_new, TensorView<const T, 4> v_new,
+                                const ComposeWeights<T>& key_side) const {
     AppendParams<T> p;
     p.k_new = k_new, p.v_new = v_new;
     p.k_slots = state_->k_slots(), p.v_slots = state_->v_slots();
@@ -88,9 +83,20 @@ class DecodeCache {
       p.kw2_slots[side] = state_->kw2_slots(side == 1);
       p.kdd_slots[side] = state_->kdd_slots(side == 1);
     }
+    p.capacity = capacity();
+    return p;
+  }
+  /// Stages the lengths and counts, then appends n tokens of each sequence.
+  void copy_tokens(const char* fn, index_t n, const index_t* lengths, const index_t* counts,
+                   AppendParams<T> p, cudaStream_t stream) {
+    const index_t B = config().B;
+    staged_.assign(lengths, lengths + B);
+    staged_.insert(staged_.end(), counts, counts + B);
+    check(fn, "cudaMemcpyAsync",
+          cudaMemcpyAsync(indices_, staged_.data(), 2 * B * sizeof(index_t), cudaMemcpyHostToDevice,
+                          stream));
     p.lengths = static_cast<const index_t*>(indices_);
     p.counts = p.lengths + B;
-    p.capacity = capacity();
     KernelLaunch l;
     l.shape.threads = 128;
     l.shape.x = n;

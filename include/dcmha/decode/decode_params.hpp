@@ -42,13 +42,10 @@ struct DecodeStepLengths {
   std::vector<index_t> counts, kept, start;
 };
 
-/// A decode step as a forward over the cache's slots: validates, then the backend's parameters
-/// (lengths and ring starts in `lengths`, which must outlive them). Shared by the backends.
+/// A decode step's checks of its arguments against the cache.
 template <class T>
-ForwardParams<T> decode_params(const char* fn, const AttentionConfig& cfg,
-                               TensorView<const T, 4> q_new, const DecodeCache<T>& cache,
-                               const ComposeWeights<T>& query_side, TensorView<T, 4> out,
-                               DecodeStepLengths& lengths) {
+void check_decode_step(const char* fn, const AttentionConfig& cfg, TensorView<const T, 4> q_new,
+                       const DecodeCache<T>& cache, const ComposeWeights<T>& query_side) {
   const DecodeCacheConfig& cc = cache.config();
   if (cfg.mask != Mask::causal)
     fail(fn,
@@ -75,20 +72,35 @@ ForwardParams<T> decode_params(const char* fn, const AttentionConfig& cfg,
                {"n", cache.last_step(), "the n of the last DecodeCache::append"},
                {"D", cc.D, "cache.config().D"}});
   check_query_side(fn, query_side, cc);
+}
 
-  const index_t B = cc.B, cap = cache.capacity();
-  std::vector<index_t>& counts = lengths.counts;
-  std::vector<index_t>& kept = lengths.kept;
-  std::vector<index_t>& start = lengths.start;
-  counts.resize(B), kept.resize(B), start.resize(B);
-  index_t S = 1;  // a view needs >= 1 key even when every sequence is still empty
+/// The step's counts, kept keys and ring starts into `lengths`; returns the most keys any
+/// sequence keeps (at least 1: a view needs a key even when every sequence is still empty).
+template <class T>
+index_t step_lengths(const DecodeCache<T>& cache, DecodeStepLengths& lengths) {
+  const index_t B = cache.config().B, cap = cache.capacity();
+  lengths.counts.resize(B), lengths.kept.resize(B), lengths.start.resize(B);
+  index_t S = 1;
   for (index_t b = 0; b < B; ++b) {
-    counts[b] = cache.last_count(b);
-    kept[b] = cache.kept(b);
+    lengths.counts[b] = cache.last_count(b);
+    lengths.kept[b] = cache.kept(b);
     // Logical key 0 is the oldest key kept: token length - kept, in slot (length - kept) % cap.
-    start[b] = (cache.length(b) - kept[b]) % cap;
-    S = std::max(S, kept[b]);
+    lengths.start[b] = (cache.length(b) - lengths.kept[b]) % cap;
+    S = std::max(S, lengths.kept[b]);
   }
+  return S;
+}
+
+/// A decode step as a forward over the cache's slots: validates, then the backend's parameters
+/// (lengths and ring starts in `lengths`, which must outlive them). Shared by the backends.
+template <class T>
+ForwardParams<T> decode_params(const char* fn, const AttentionConfig& cfg,
+                               TensorView<const T, 4> q_new, const DecodeCache<T>& cache,
+                               const ComposeWeights<T>& query_side, TensorView<T, 4> out,
+                               DecodeStepLengths& lengths) {
+  check_decode_step(fn, cfg, q_new, cache, query_side);
+  const DecodeCacheConfig& cc = cache.config();
+  const index_t B = cc.B, S = step_lengths(cache, lengths);
   // A sequence holding fewer than cap keys has never wrapped (start 0), so slots stay below S for
   // it, and S == cap once one has: every slot the kernel reaches lies inside these views.
   auto first_keys = [S](auto v, int dim) {
@@ -99,8 +111,8 @@ ForwardParams<T> decode_params(const char* fn, const AttentionConfig& cfg,
   AttentionConfig c2 = cfg;
   c2.mask = Mask::causal;
   c2.window = cc.window;
-  c2.query_lengths = view<1>(static_cast<const index_t*>(counts.data()), {B});
-  c2.key_lengths = view<1>(static_cast<const index_t*>(kept.data()), {B});
+  c2.query_lengths = view<1>(static_cast<const index_t*>(lengths.counts.data()), {B});
+  c2.key_lengths = view<1>(static_cast<const index_t*>(lengths.kept.data()), {B});
 
   ComposeWeights<T> cw = query_side;
   ComposeTerms<T>* sides[2] = {&cw.pre, &cw.post};
@@ -116,7 +128,9 @@ ForwardParams<T> decode_params(const char* fn, const AttentionConfig& cfg,
   const TensorView<const T, 4> v = first_keys(cache.v_slots(), 2);
 
   ForwardParams<T> params = forward_params<T>(fn, c2, q_new, k, v, out, {}, cw);
-  if (cache.local()) params.keys = {cap, view<1>(static_cast<const index_t*>(start.data()), {B})};
+  if (cache.local())
+    params.keys = {cache.capacity(),
+                   view<1>(static_cast<const index_t*>(lengths.start.data()), {B})};
   return params;
 }
 
