@@ -1,8 +1,8 @@
 #pragma once
 // The CUDA kernels compiled in translation units of their own, side by side. A .cu file that
-// calls the entry points compiles every head-dim class of each storage type it calls, forward
-// and backward (minutes of nvcc each per architecture, in one unit). A project with more cores
-// than that can give each (type, class, direction) a unit:
+// calls the entry points compiles every head-dim class of each call it makes (storage type and
+// direction), minutes of nvcc each per architecture, all in that one unit. A project with the
+// cores for it can give each (type, class, direction) a unit:
 //
 //   // kernels_bf16_128_forward.cu: one unit's kernels
 //   #include <dcmha/cuda/instances.hpp>
