@@ -149,11 +149,42 @@ DCMHA_INLINE void for_item_heads(const ComposeItem& it, F&& f) {
     if (j < it.heads) f(j);
 }
 
-/// Sums over the `parts` adjacent lanes of an item (every lane calls it).
+/// Sums over the `parts` adjacent lanes of an item (every lane calls it), from lane distance o.
 template <class Block>
-DCMHA_INLINE float sum_over_parts(const Block& blk, float x, int parts) {
-  for (int o = 1; o < parts; o <<= 1) x += blk.shfl_xor(x, o);
+DCMHA_INLINE float sum_over_parts(const Block& blk, float x, int parts, int o = 1) {
+  for (; o < parts; o <<= 1) x += blk.shfl_xor(x, o);
   return x;
+}
+
+/// Sums each of v[0, N) over the `parts` adjacent lanes (N a power of two; every lane calls it
+/// and gets every sum): the lanes halve the values between them at each distance o (the lane
+/// with bit o set keeps the upper half) and add their partner's share of the half they keep,
+/// then pass the complete sums back in reverse order. 2N(1 - 1/parts) shuffles where summing
+/// each value alone takes N log2(parts) (4 parts: 3/4 of them), and the same bits: each sum is
+/// added up in the same pairs ((p0 + p1) + (p2 + p3)), by one lane.
+template <int N, class Block>
+DCMHA_INLINE void sum_values_over_parts(const Block& blk, float (&v)[N], int parts, int o = 1) {
+  static_assert(N > 0 && (N & (N - 1)) == 0, "a power of two of values");
+  if (o >= parts) return;
+  if constexpr (N == 1) {
+    v[0] = sum_over_parts(blk, v[0], parts, o);
+  } else {
+    constexpr int kHalf = N / 2;
+    const bool upper = (lane_of(blk) & o) != 0;
+    float kept[kHalf];
+    DCMHA_UNROLL
+    for (int i = 0; i < kHalf; ++i) {
+      const float given = upper ? v[i] : v[kHalf + i];
+      kept[i] = (upper ? v[kHalf + i] : v[i]) + blk.shfl_xor(given, o);
+    }
+    sum_values_over_parts(blk, kept, parts, o << 1);
+    DCMHA_UNROLL
+    for (int i = 0; i < kHalf; ++i) {
+      const float other = blk.shfl_xor(kept[i], o);
+      v[i] = upper ? other : kept[i];
+      v[kHalf + i] = upper ? kept[i] : other;
+    }
+  }
 }
 
 /// Compose runs forward (y = Compose(x): projections with w1, outputs with w2) or transposed
@@ -349,12 +380,30 @@ struct Projections {
     blk.count_fma(index_t(it.rows) * it.heads * (Rq + Rk));
   }
   /// The sums over all heads: every part's own heads added up, for the ranks the side has.
+  /// Where both sides have kPackedRanks ranks or more (DCFormer's), those are summed together
+  /// (sum_values_over_parts: 4 kRows values, a power of two), the rest one by one.
+  static constexpr int kPackedRanks = 2;
   template <class Block>
   DCMHA_INLINE void reduce(const Block& blk, const detail::ComposeTermSet& t, int parts) {
     if (parts == 1) return;
+    const bool packed = t.query_rank >= kPackedRanks && t.key_rank >= kPackedRanks;
+    if (packed) {
+      constexpr int kSide = kPackedRanks, kRow = 2 * kPackedRanks;  // v: [row][side][rank]
+      float v[kRows * kRow];
+      DCMHA_UNROLL
+      for (int i = 0; i < kRows; ++i) DCMHA_UNROLL
+      for (int r = 0; r < kPackedRanks; ++r)
+        v[i * kRow + r] = q[i][r], v[i * kRow + kSide + r] = k[i][r];
+      sum_values_over_parts(blk, v, parts);
+      DCMHA_UNROLL
+      for (int i = 0; i < kRows; ++i) DCMHA_UNROLL
+      for (int r = 0; r < kPackedRanks; ++r)
+        q[i][r] = v[i * kRow + r], k[i][r] = v[i * kRow + kSide + r];
+    }
     DCMHA_UNROLL
     for (int i = 0; i < kRows; ++i) DCMHA_UNROLL
     for (int r = 0; r < kMaxRank; ++r) {
+      if (packed && r < kPackedRanks) continue;
       if (r < t.query_rank) q[i][r] = sum_over_parts(blk, q[i][r], parts);
       if (r < t.key_rank) k[i][r] = sum_over_parts(blk, k[i][r], parts);
     }
