@@ -242,8 +242,10 @@ class BackwardBlock {
   /// own head): line a row (query side) or a key (key side) of the block. A warp takes the pairs
   /// of kHeadsPerLane heads and lines_per_warp() consecutive lines at a time, the rest of its
   /// lanes per line splitting the tile's other axis, so that a lane reads each projection sum
-  /// once for its heads (the sums are the composer's, alike for every head); the line's first
-  /// lane owns its pairs' sums, in shared memory between tiles, [pair][side][w1 r, w2 r, dd].
+  /// once for its heads (the sums are the composer's, alike for every head). The sums sit in
+  /// shared memory between tiles, [pair][side][w1 r, w2 r, dd]; a side's terms of the group's
+  /// heads are the line's elements (LineElements), each owned by one of its lanes, which alone
+  /// zeroes, adds to and stores it (no barrier between the three).
   /// Query side: 4 rows x 8 keys a step, key side: 8 keys x 4 rows, so that each step reads
   /// whole bank rows of the tiles.
   static constexpr int kHeadsPerLane = 2;
@@ -255,10 +257,39 @@ class BackwardBlock {
   DCMHA_INLINE int pairs() const { return geo_.registers ? 0 : geo_.rows * geo_.own_heads; }
   DCMHA_INLINE int pair_of(int line, int head) const { return head * geo_.rows + line; }
   DCMHA_INLINE int lines_per_warp() const { return geo_.key_side ? 8 : 4; }
+  DCMHA_INLINE int lanes_per_line() const { return kWarpSize / lines_per_warp(); }
+  /// R of a side's terms along the kernel's axis (0: the side has none).
+  DCMHA_INLINE int axis_rank(int side) const {
+    const detail::ComposeTermSet& t = side == 0 ? geo_.terms.pre : geo_.terms.post;
+    return int(geo_.key_side ? t.key_rank : t.query_rank);
+  }
 
-  /// Where this lane works on the weight gradients: f(line, first_head, heads, owner) for each
-  /// group of lines and heads its warp takes (warp-uniform: every lane calls f; line < 0 past the
-  /// lines), heads [first_head, first_head + heads) of the line.
+  /// A side's sums of a line's group of heads as a list: element i is term i / kHeadsPerLane
+  /// (w1 r < R, w2 r < R, dd) of head i % kHeadsPerLane, and belongs to the line's lane
+  /// i % lanes_per_line(), the one scatter_sums_over_parts leaves its sum with.
+  struct LineElements {
+    /// None where the side has no terms along the axis (R = 0).
+    static DCMHA_INLINE constexpr int count(int R) {
+      return R > 0 ? kHeadsPerLane * (2 * R + 1) : 0;
+    }
+    static DCMHA_INLINE constexpr int head(int i) { return i % kHeadsPerLane; }
+    /// The element's place in a pair's [w1 r, w2 r, dd].
+    static DCMHA_INLINE constexpr int slot(int i, int R) {
+      const int term = i / kHeadsPerLane;
+      return term < R ? term : term < 2 * R ? kMaxRank + term - R : 2 * kMaxRank;
+    }
+  };
+  /// Calls f(head, slot) for the elements of a side of rank R this lane owns, of `heads` heads.
+  template <class F>
+  DCMHA_INLINE void for_owned_elements(int R, int heads, F&& f) const {
+    const int lanes = lanes_per_line();
+    for (int i = unhoisted_lane_of(blk_) % lanes; i < LineElements::count(R); i += lanes)
+      if (LineElements::head(i) < heads) f(LineElements::head(i), LineElements::slot(i, R));
+  }
+
+  /// Where this lane works on the weight gradients: f(line, first_head, heads) for each group of
+  /// lines and heads its warp takes (warp-uniform: every lane calls f; line < 0 past the lines),
+  /// heads [first_head, first_head + heads) of the line.
   template <class F>
   DCMHA_INLINE void for_each_line_group(F&& f) const {
     const int lines = lines_per_warp(), lanes = kWarpSize / lines, lane = lane_of(blk_);
@@ -269,56 +300,47 @@ class BackwardBlock {
       const int heads =
           geo_.own_heads - first_head < kHeadsPerLane ? geo_.own_heads - first_head : kHeadsPerLane;
       const int line = unit % groups * lines + lane / lanes;
-      const bool real = line < geo_.rows;
-      f(real ? line : -1, first_head, heads, real && lane % lanes == 0);
+      f(line < geo_.rows ? line : -1, first_head, heads);
     }
   }
 
-  /// Zeroes the pairs this thread owns (their owner alone touches them: no barrier needed).
+  /// Zeroes the elements this lane owns.
   template <int kHeadDim>
   DCMHA_INLINE void zero_weight_grads(const BackwardTiles<T, kHeadDim>& sh) const {
     if (pairs() == 0) return;
-    for_each_line_group([&](int line, int first_head, int heads, bool owner) {
-      if (!owner) return;
-      for (int h = 0; h < heads; ++h)
-        for (int i = 0; i < 2 * (2 * kMaxRank + 1); ++i)
-          blk_.store_shared(weight_grads(sh, pair_of(line, first_head + h), 0) + i, 0.0f);
+    for_each_line_group([&](int line, int first_head, int heads) {
+      if (line < 0) return;
+      for (int side = 0; side < 2; ++side)
+        for_owned_elements(axis_rank(side), heads, [&](int h, int slot) {
+          blk_.store_shared(weight_grads(sh, pair_of(line, first_head + h), side) + slot, 0.0f);
+        });
     });
   }
 
   /// Adds the tile's terms to the pairs: x and dy from the own heads' chain tiles, the
   /// projections from the block that composed the line, summed over the tile's other axis (each
-  /// lane its share in order, then the line's lanes by shuffles).
+  /// lane its share in order, then the line's lanes by shuffles, each sum left with its owner).
   template <int kHeadDim>
   DCMHA_INLINE void accumulate_weight_grads(const BackwardTiles<T, kHeadDim>& sh) const {
     if (pairs() == 0) return;
-    const int lanes = kWarpSize / lines_per_warp();
-    for_each_line_group([&](int line, int first_head, int heads, bool owner) {
+    for_each_line_group([&](int line, int first_head, int heads) {
       DCMHA_UNROLL
       for (int side = 0; side < 2; ++side) {
-        const detail::ComposeTermSet& t = side == 0 ? geo_.terms.pre : geo_.terms.post;
-        if (!(geo_.key_side ? t.key_wise : t.query_wise)) continue;
-        const int R = int(geo_.key_side ? t.key_rank : t.query_rank);
+        const int R = axis_rank(side);
+        if (R == 0) continue;
         const LineSums sums = line_sums(sh, side, line, first_head, heads);
-        blk_.count_fma(index_t(geo_.key_side ? kStreamRows : kKeys) * (1 + 2 * R) * heads / lanes);
-        DCMHA_UNROLL
-        for (int h = 0; h < kHeadsPerLane; ++h) {
-          if (!owner || h >= heads) continue;
-          float* acc = weight_grads(sh, pair_of(line, first_head + h), side);
-          auto add = [&](int i) {
-            blk_.store_shared(acc + i, blk_.load_shared(acc + i) + sums.at[h][i]);
-          };
-          DCMHA_UNROLL
-          for (int k = 0; k < kMaxRank; ++k)
-            if (k < R) add(k), add(kMaxRank + k);
-          add(2 * kMaxRank);
-        }
+        blk_.count_fma(index_t(geo_.key_side ? kStreamRows : kKeys) * (1 + 2 * R) * heads /
+                       lanes_per_line());
+        add_line_lanes(sums, R, [&](int h, int slot, float sum) {
+          if (line < 0 || h >= heads) return;
+          float* acc = weight_grads(sh, pair_of(line, first_head + h), side) + slot;
+          blk_.store_shared(acc, blk_.load_shared(acc) + sum);
+        });
       }
     });
   }
 
-  /// One side's terms of a line's heads in this tile, [head][w1 r, w2 r, dd], summed over the
-  /// line's lanes (every lane of the line holds the sums).
+  /// One side's terms of a line's heads in this tile, [head][w1 r, w2 r, dd]: this lane's share.
   struct LineSums {
     float at[kHeadsPerLane][2 * kMaxRank + 1];
   };
@@ -327,9 +349,8 @@ class BackwardBlock {
                                   int first_head, int heads) const {
     const bool query_axis = !geo_.key_side;
     const int others = geo_.key_side ? kStreamRows : kKeys;
-    const int lanes = kWarpSize / lines_per_warp(), first = lane_of(blk_) % lanes;
-    const detail::ComposeTermSet& t = side == 0 ? geo_.terms.pre : geo_.terms.post;
-    const int R = int(query_axis ? t.query_rank : t.key_rank);
+    const int lanes = lanes_per_line(), first = lane_of(blk_) % lanes;
+    const int R = axis_rank(side);
     const ChainSums projections = sh.sums();
     const ChainTiles chain = sh.chain();
     LineSums sums = {};
@@ -355,7 +376,6 @@ class BackwardBlock {
         }
       }
     }
-    add_line_lanes(sums, heads, R, lanes);
     return sums;
   }
   /// The projections of one side at the line's position o of the tile's other axis, from the
@@ -379,57 +399,65 @@ class BackwardBlock {
           blk_.peer_shared(projections.at(side, 0, k, sum_row, sum_key), composer));
     }
   }
-  /// Adds up the line's lanes' shares, so that every lane of the line holds the sums.
-  DCMHA_INLINE void add_line_lanes(LineSums& sums, int heads, int R, int lanes) const {
-    DCMHA_UNROLL
-    for (int h = 0; h < kHeadsPerLane; ++h) {
-      if (h >= heads) continue;
-      float* s = sums.at[h];
-      s[2 * kMaxRank] = sum_over_parts(blk_, s[2 * kMaxRank], lanes);
-      DCMHA_UNROLL
-      for (int k = 0; k < kMaxRank; ++k) {
-        if (k >= R) continue;
-        s[k] = sum_over_parts(blk_, s[k], lanes);
-        s[kMaxRank + k] = sum_over_parts(blk_, s[kMaxRank + k], lanes);
-      }
+  /// Adds up the line's lanes' shares of a side of rank R: add(head, slot, sum) at each element
+  /// this lane owns, heads past the group's included (zeros; add skips them). The lane's part is
+  /// unhoisted: kept in a register across the key side's tile loop, it made ptxas spill there
+  /// at head dim 128.
+  template <class F>
+  DCMHA_INLINE void add_line_lanes(const LineSums& sums, int R, F&& add) const {
+    switch (R) {
+      case 1:
+        return add_line_lanes<1>(sums, add);
+      case 2:
+        return add_line_lanes<2>(sums, add);
+      case 3:
+        return add_line_lanes<3>(sums, add);
+      default:
+        return add_line_lanes<kMaxRank>(sums, add);
     }
+  }
+  template <int kRank, class F>
+  DCMHA_INLINE void add_line_lanes(const LineSums& sums, F& add) const {
+    static_assert(kRank <= kMaxRank, "ranks up to kMaxRank");
+    constexpr int kElements = LineElements::count(kRank);
+    float v[kElements];
+    DCMHA_UNROLL
+    for (int i = 0; i < kElements; ++i)
+      v[i] = sums.at[LineElements::head(i)][LineElements::slot(i, kRank)];
+    const int lanes = lanes_per_line(), part = unhoisted_lane_of(blk_) % lanes;
+    scatter_sums_over_parts(blk_, v, lanes, [&](int k, float sum) {
+      const int i = k * lanes + part;
+      if (i < kElements) add(LineElements::head(i), LineElements::slot(i, kRank), sum);
+    });
   }
 
   /// The pairs' sums to the caller: lines [first, first + real) of the block, past `length`
-  /// padding (zeros).
+  /// padding (zeros), each element by its owner.
   template <int kHeadDim>
   DCMHA_INLINE void store_weight_grads(const BackwardTiles<T, kHeadDim>& sh, index_t first,
                                        int real, index_t length) const {
     if (pairs() == 0) return;
-    for_each_line_group([&](int line, int first_head, int heads, bool owner) {
-      if (!owner || line >= real) return;
-      for (int h = 0; h < heads; ++h)
-        store_pair_grads(sh, pair_of(line, first_head + h), first + line, first_head + h, length);
+    for_each_line_group([&](int line, int first_head, int heads) {
+      if (line < 0 || line >= real) return;
+      for (int side = 0; side < 2; ++side)
+        for_owned_elements(axis_rank(side), heads, [&](int h, int slot) {
+          const int j = first_head + h;
+          const float* acc = weight_grads(sh, pair_of(line, j), side);
+          const T value = T(first + line < length ? blk_.load_shared(acc + slot) : 0.0f);
+          store_weight_grad(side, first + line, j, slot, value);
+        });
     });
   }
-  /// One pair's sums at line `at` of the axis (zeros past `length`).
-  template <int kHeadDim>
-  DCMHA_INLINE void store_pair_grads(const BackwardTiles<T, kHeadDim>& sh, int pair, index_t at,
-                                     int j, index_t length) const {
+  /// One element of own head j's gradients at line `at` of the axis.
+  DCMHA_INLINE void store_weight_grad(int side, index_t at, int j, int slot, T value) const {
     const bool query_axis = !geo_.key_side;
     const index_t m = rank_ * geo_.own_heads + j;
-    const bool is_real = at < length;
-    DCMHA_UNROLL
-    for (int side = 0; side < 2; ++side) {
-      const detail::ComposeTermSet& t = side == 0 ? geo_.terms.pre : geo_.terms.post;
-      if (!(query_axis ? t.query_wise : t.key_wise)) continue;
-      const ComposeTermGrads<T>& d = side == 0 ? p_.dcompose.pre : p_.dcompose.post;
-      const TensorView<T, 5>& w1 = query_axis ? d.qw1 : d.kw1;
-      const TensorView<T, 5>& w2 = query_axis ? d.qw2 : d.kw2;
-      const TensorView<T, 4>& dd = query_axis ? d.qdd : d.kdd;
-      const float* acc = weight_grads(sh, pair, side);
-      auto value = [&](int i) { return T(is_real ? blk_.load_shared(acc + i) : 0.0f); };
-      for (int k = 0; k < int(query_axis ? t.query_rank : t.key_rank); ++k) {
-        blk_.store_global(&w1(b_, at, g_, k, m), value(k));
-        blk_.store_global(&w2(b_, at, g_, k, m), value(kMaxRank + k));
-      }
-      blk_.store_global(&dd(b_, at, g_, m), value(2 * kMaxRank));
-    }
+    const ComposeTermGrads<T>& d = side == 0 ? p_.dcompose.pre : p_.dcompose.post;
+    if (slot == 2 * kMaxRank)
+      return blk_.store_global(&(query_axis ? d.qdd : d.kdd)(b_, at, g_, m), value);
+    const TensorView<T, 5>& w =
+        slot < kMaxRank ? (query_axis ? d.qw1 : d.kw1) : (query_axis ? d.qw2 : d.kw2);
+    blk_.store_global(&w(b_, at, g_, slot % kMaxRank, m), value);
   }
 
   /// The chain on the block's slice, the sides' query-wise weights from pre_query, post_query.

@@ -187,6 +187,41 @@ DCMHA_INLINE void sum_values_over_parts(const Block& blk, float (&v)[N], int par
   }
 }
 
+/// Sums each of v[0, N) over the `parts` adjacent lanes and leaves each sum with one of them:
+/// value i with part i % parts, which gets take(k, sum) for i = k parts + part (k past N / parts
+/// give zeros where N is not a multiple of parts). At each distance o the lanes split the
+/// values by parity (the lane with bit o set keeps the odd ones) and add their partner's share
+/// of what they keep: N - N / parts shuffles, about, where summing each value alone takes
+/// N log2(parts); the same pairs as there, each sum added up by one lane. The lane bits are read
+/// unhoisted, for callers inside a tile loop short of registers.
+template <int N, class Block, class F>
+DCMHA_INLINE void scatter_sums_over_parts(const Block& blk, const float (&v)[N], int parts,
+                                          F&& take, int o = 1) {
+  if (o >= parts) {
+    DCMHA_UNROLL
+    for (int k = 0; k < N; ++k) take(k, v[k]);
+    return;
+  }
+  if constexpr (N == 1) {
+    float x = v[0];  // element 0 stays with the lanes whose bits are clear; the others hold 0
+    for (; o < parts; o <<= 1) {
+      const bool odd = (unhoisted_lane_of(blk) & o) != 0;
+      x = (odd ? 0.0f : x) + blk.shfl_xor(odd ? x : 0.0f, o);
+    }
+    take(0, x);
+  } else {
+    constexpr int kKept = (N + 1) / 2;
+    const bool odd = (unhoisted_lane_of(blk) & o) != 0;
+    float kept[kKept];
+    DCMHA_UNROLL
+    for (int k = 0; k < kKept; ++k) {
+      const float even_value = v[2 * k], odd_value = 2 * k + 1 < N ? v[2 * k + 1] : 0.0f;
+      kept[k] = (odd ? odd_value : even_value) + blk.shfl_xor(odd ? even_value : odd_value, o);
+    }
+    scatter_sums_over_parts(blk, kept, parts, take, o << 1);
+  }
+}
+
 /// Compose runs forward (y = Compose(x): projections with w1, outputs with w2) or transposed
 /// (dx = Compose^T(dy): projections of dy with w2, outputs with w1); the gates and the residual
 /// are their own transpose.
