@@ -66,7 +66,7 @@ class BackwardBlock {
   DCMHA_INLINE BackwardBlock(const Block& blk, const detail::BackwardParams<T>& p,
                              const BackwardGeometry& geo)
       : blk_(blk), p_(p), geo_(geo) {
-    rank_ = blk.cluster_rank();
+    cluster_block_ = blk.cluster_rank();
     tile_ = int(blk.block(0) / geo.cluster);
     g_ = blk.block(1);
     b_ = blk.block(2);
@@ -74,14 +74,16 @@ class BackwardBlock {
     own_ = w / (geo.rows / 16);
     row0_ = w % (geo.rows / 16) * 16;
     const index_t heads_per_kv = p.dims.H / p.dims.Hk;
-    head_ = g_ * geo.M + rank_ * geo.own_heads + own_;
-    kv_first_ = (g_ * geo.M + rank_ * geo.own_heads) / heads_per_kv;
+    head_ = g_ * geo.M + cluster_block_ * geo.own_heads + own_;
+    kv_first_ = (g_ * geo.M + cluster_block_ * geo.own_heads) / heads_per_kv;
     kv_slot_ = int(head_ / heads_per_kv - kv_first_);
   }
 
   DCMHA_INLINE index_t query_length() const { return mask().query_length(b_); }
   DCMHA_INLINE index_t key_length() const { return mask().key_length(b_); }
-  DCMHA_INLINE index_t own_head(int j) const { return g_ * geo_.M + rank_ * geo_.own_heads + j; }
+  DCMHA_INLINE index_t own_head(int j) const {
+    return g_ * geo_.M + cluster_block_ * geo_.own_heads + j;
+  }
   DCMHA_INLINE float scale() const { return float(p_.scale); }
   DCMHA_INLINE int depth_of(int width) const { return (width + 15) / 16 * 16; }
 
@@ -451,7 +453,7 @@ class BackwardBlock {
   /// One element of own head j's gradients at line `at` of the axis.
   DCMHA_INLINE void store_weight_grad(int side, index_t at, int j, int slot, T value) const {
     const bool query_axis = !geo_.key_side;
-    const index_t m = rank_ * geo_.own_heads + j;
+    const index_t m = cluster_block_ * geo_.own_heads + j;
     const ComposeTermGrads<T>& d = side == 0 ? p_.dcompose.pre : p_.dcompose.post;
     if (slot == 2 * kMaxRank)
       return blk_.store_global(&(query_axis ? d.qdd : d.kdd)(b_, at, g_, m), value);
@@ -486,14 +488,14 @@ class BackwardBlock {
   /// The mask, made from the kernel's parameters where used: a copy held across the tile loops
   /// would keep its fields in registers.
   DCMHA_INLINE detail::RowMask mask() const { return {p_.mask, p_.dims.T, p_.dims.S}; }
-  int rank_ = 0, tile_ = 0, own_ = 0, row0_ = 0, kv_slot_ = 0;
+  int cluster_block_ = 0, tile_ = 0, own_ = 0, row0_ = 0, kv_slot_ = 0;
   index_t g_ = 0, b_ = 0, head_ = 0, kv_first_ = 0;
 };
 
 template <class T, int kHeadDim, class Block>
 class QueryGradKernel : BackwardBlock<T, Block> {
   using Base = BackwardBlock<T, Block>;
-  using Base::blk_, Base::p_, Base::geo_, Base::mask, Base::rank_, Base::own_, Base::row0_,
+  using Base::blk_, Base::p_, Base::geo_, Base::mask, Base::cluster_block_, Base::own_, Base::row0_,
       Base::kv_slot_, Base::g_, Base::b_, Base::head_;
 
  public:
@@ -507,8 +509,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
       : Base(blk, p, geo), scratch_(scratch) {
     t0_ = index_t(this->tile_) * geo.rows;
     rows_real_ = p.dims.T - t0_ < geo.rows ? int(p.dims.T - t0_) : geo.rows;
-    slice_row_begin_ = rank_ / geo.key_slices * geo.slice;
-    slice_key_begin_ = rank_ % geo.key_slices * geo.slice_keys;
+    slice_row_begin_ = cluster_block_ / geo.key_slices * geo.slice;
+    slice_key_begin_ = cluster_block_ % geo.key_slices * geo.slice_keys;
   }
 
   DCMHA_INLINE void run() {
@@ -772,7 +774,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
         for (int r = 0; r < geo_.rows; ++r)
           for (int c = 0; c < kKeys; ++c)
             sum += blk_.load_shared(xm.at(r, c)) * blk_.load_shared(dyn.at(r, c));
-        float* at = partial + index_t(m) * M + rank_ * own + j;
+        float* at = partial + index_t(m) * M + cluster_block_ * own + j;
         blk_.store_global(at, blk_.load_global(at) + sum);
         blk_.count_fma(index_t(geo_.rows) * kKeys);
       });
@@ -813,7 +815,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
 template <class T, int kHeadDim, class Block>
 class KeyGradKernel : BackwardBlock<T, Block> {
   using Base = BackwardBlock<T, Block>;
-  using Base::blk_, Base::p_, Base::geo_, Base::mask, Base::rank_, Base::own_, Base::row0_,
+  using Base::blk_, Base::p_, Base::geo_, Base::mask, Base::cluster_block_, Base::own_, Base::row0_,
       Base::kv_slot_, Base::g_, Base::b_, Base::head_;
 
  public:
@@ -828,7 +830,7 @@ class KeyGradKernel : BackwardBlock<T, Block> {
       : Base(blk, p, geo), scratch_(scratch) {
     s0_ = index_t(this->tile_) * geo.rows;
     keys_real_ = p.dims.S - s0_ < geo.rows ? int(p.dims.S - s0_) : geo.rows;
-    slice_begin_ = rank_ * geo.slice;
+    slice_begin_ = cluster_block_ * geo.slice;
   }
 
   DCMHA_INLINE void run() {

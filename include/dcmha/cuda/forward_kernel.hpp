@@ -54,7 +54,7 @@ class ForwardKernel {
   DCMHA_INLINE ForwardKernel(const Block& blk, const detail::ForwardParams<T>& p,
                              const ForwardGeometry& geo, const KeySplit& split)
       : blk_(blk), p_(p), geo_(geo), split_(split), mask_(p.mask, p.dims.T, p.dims.S) {
-    rank_ = blk.cluster_rank();
+    cluster_block_ = blk.cluster_rank();
     tile_ = int(blk.block(0) / geo.cluster);
     g_ = blk.block(1);
     b_ = blk.block(2) % p.dims.B;
@@ -64,12 +64,12 @@ class ForwardKernel {
     const int w = warp_of(blk);
     own_ = w / (geo.rows / kWarpRows);
     row0_ = w % (geo.rows / kWarpRows) * kWarpRows;
-    head_ = g_ * geo.M + rank_ * geo.own_heads + own_;
+    head_ = g_ * geo.M + cluster_block_ * geo.own_heads + own_;
     const index_t heads_per_kv = p.dims.H / p.dims.Hk;
-    kv_first_ = (g_ * geo.M + rank_ * geo.own_heads) / heads_per_kv;
+    kv_first_ = (g_ * geo.M + cluster_block_ * geo.own_heads) / heads_per_kv;
     kv_slot_ = int(head_ / heads_per_kv - kv_first_);
-    slice_row_begin_ = rank_ / geo.key_slices * geo.slice_rows;
-    slice_key_begin_ = rank_ % geo.key_slices * geo.slice_keys;
+    slice_row_begin_ = cluster_block_ / geo.key_slices * geo.slice_rows;
+    slice_key_begin_ = cluster_block_ % geo.key_slices * geo.slice_keys;
   }
 
   DCMHA_INLINE void run() {
@@ -142,7 +142,7 @@ class ForwardKernel {
   DCMHA_INLINE void start() {
     const index_t qlen = query_length();
     for (int j = 0; j < (reads_kept_scores() ? 0 : geo_.own_heads); ++j) {  // no QK^T there
-      const index_t h = g_ * geo_.M + rank_ * geo_.own_heads + j;
+      const index_t h = g_ * geo_.M + cluster_block_ * geo_.own_heads + j;
       stage_rows(blk_, sh().q().head(j), geo_.D, geo_.chunked_q, p_.q.data, [&](int r) -> const T* {
         const index_t t = t0_ + r;
         return r < rows_real_ && t < qlen ? &p_.q(b_, h, t, 0) : nullptr;
@@ -658,7 +658,7 @@ class ForwardKernel {
   const ForwardGeometry& geo_;
   KeySplit split_;
   detail::RowMask mask_;
-  int rank_ = 0, tile_ = 0, own_ = 0, row0_ = 0, kv_slot_ = 0, slice_row_begin_ = 0,
+  int cluster_block_ = 0, tile_ = 0, own_ = 0, row0_ = 0, kv_slot_ = 0, slice_row_begin_ = 0,
       slice_key_begin_ = 0, rows_real_ = 0;
   int split_index_ = 0;
   index_t g_ = 0, b_ = 0, t0_ = 0, head_ = 0, kv_first_ = 0;

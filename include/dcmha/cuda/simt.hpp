@@ -7,8 +7,8 @@
 //   identity     thread(), threads(), block(axis), cluster_rank(), cluster_size()
 //   barriers     sync() (__syncthreads), sync_warp() (__syncwarp), sync_cluster() (a cluster's
 //                barrier.cluster arrive.release + wait.acquire)
-//   shared       shared() (dynamic shared memory), peer_shared(p, rank) (the same offset in
-//                cluster block `rank`'s shared memory), load_shared / store_shared
+//   shared       shared() (dynamic shared memory), peer_shared(p, block) (the same offset
+//                in cluster block `block`'s shared memory), load_shared / store_shared
 //   global       load_global / store_global, atomic_add_global and atomic_add_global_pair
 //                (float, red.global.add, .v2 on sm_90: MHA's dQ sums)
 //   warp         shfl_xor, ldmatrix_x4 / _x2 (and .trans), mma_bf16 / mma_f16
@@ -87,8 +87,8 @@ struct DeviceBlock {
   }
   __device__ void sync_cluster() const { cooperative_groups::this_cluster().sync(); }
   template <class U>
-  __device__ U* peer_shared(U* local, int rank) const {
-    return cooperative_groups::this_cluster().map_shared_rank(local, static_cast<unsigned>(rank));
+  __device__ U* peer_shared(U* local, int block) const {
+    return cooperative_groups::this_cluster().map_shared_rank(local, static_cast<unsigned>(block));
   }
 #else
   // Before sm_90 there are no clusters: every launch has clusters of one block.

@@ -101,8 +101,9 @@ ForwardParams<T> decode_params(const char* fn, const AttentionConfig& cfg,
   check_decode_step(fn, cfg, q_new, cache, query_side);
   const DecodeCacheConfig& cc = cache.config();
   const index_t B = cc.B, S = step_lengths(cache, lengths);
-  // A sequence holding fewer than cap keys has never wrapped (start 0), so slots stay below S for
-  // it, and S == cap once one has: every slot the kernel reaches lies inside these views.
+  // A sequence holding fewer keys than the cache's capacity has never wrapped (start 0), so its
+  // slots stay below S, and S is the capacity once one has: every slot the kernel reaches lies
+  // inside these views.
   auto first_keys = [S](auto v, int dim) {
     if (!v.empty()) v.shape[dim] = S;
     return v;

@@ -178,9 +178,9 @@ class HostBlock {
   int cluster_rank() const;
   int cluster_size() const;
   void* shared() const;
-  /// The same offset in the shared memory of cluster block `rank` (DSMEM).
+  /// The same offset in the shared memory of cluster block `block` (DSMEM).
   template <class U>
-  U* peer_shared(U* local, int rank) const;
+  U* peer_shared(U* local, int block) const;
 
   void sync(Site site = Site::here()) const;
   void sync_warp(Site site = Site::here()) const;
@@ -576,10 +576,10 @@ inline void* HostBlock::shared() const {
   return run_->base_ + run_->stride_ * std::size_t(cluster_rank());
 }
 template <class U>
-U* HostBlock::peer_shared(U* local, int rank) const {
+U* HostBlock::peer_shared(U* local, int block) const {
   const auto* c = reinterpret_cast<const unsigned char*>(local);
   const std::ptrdiff_t offset = c - static_cast<const unsigned char*>(shared());
-  return reinterpret_cast<U*>(run_->base_ + run_->stride_ * std::size_t(rank) + offset);
+  return reinterpret_cast<U*>(run_->base_ + run_->stride_ * std::size_t(block) + offset);
 }
 
 inline void HostBlock::sync(Site site) const {
