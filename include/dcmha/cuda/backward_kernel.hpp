@@ -294,7 +294,7 @@ class BackwardBlock {
   /// heads [first_head, first_head + heads) of the line.
   template <class F>
   DCMHA_INLINE void for_each_line_group(F&& f) const {
-    const int lines = lines_per_warp(), lanes = kWarpSize / lines, lane = lane_of(blk_);
+    const int lines = lines_per_warp(), lanes = lanes_per_line(), lane = lane_of(blk_);
     const int groups = (geo_.rows + lines - 1) / lines, warps = blk_.threads() / kWarpSize;
     const int head_groups = (geo_.own_heads + kHeadsPerLane - 1) / kHeadsPerLane;
     for (int unit = warp_of(blk_); unit < groups * head_groups; unit += warps) {

@@ -13,6 +13,7 @@
 //     registers mode gives a warp 32 rows where the type and head dim allow (kTallWarps);
 //   - key splits where the query tiles are few and the keys many (decode).
 #include <algorithm>
+#include <iterator>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -88,7 +89,7 @@ inline int key_slices_of(int cluster) { return std::min(cluster, kKeys / kLeastS
 #define DCMHA_CUDA_DETAIL_STRINGIZE(...) DCMHA_CUDA_DETAIL_STRINGIZE_LIST(__VA_ARGS__)
 
 constexpr int kHeadDims[] = {DCMHA_CUDA_HEAD_DIMS};
-constexpr int kHeadDimCount = int(sizeof(kHeadDims) / sizeof(kHeadDims[0]));
+constexpr int kHeadDimCount = int(std::size(kHeadDims));
 
 constexpr bool head_dims_are_classes() {
   int previous = 0;
