@@ -92,6 +92,21 @@ void print_kernels(const char* what, const OperationWork& op) {
   std::printf("\n");
 }
 
+/// The step of a barrier's latency the barrier lines price (a sensitivity, not a figure of the
+/// H200's: the ceilings are throughputs, and a barrier's wait is latency).
+constexpr double kBarrierLatencyStep = 100e-9;
+
+/// The barriers an operation's blocks wait at, per multiprocessor, and what each
+/// kBarrierLatencyStep of a barrier's latency adds where no other block on the multiprocessor
+/// has work to fill the wait (DCMHA's blocks take a multiprocessor each).
+void print_barriers(const char* what, const Work& w) {
+  const Ceilings c;
+  const double block = w.block_barriers / c.multiprocessors;
+  const double cluster = w.cluster_barriers / c.multiprocessors;
+  std::printf("  %-28s block %7.0f (%6.3f ms)  cluster %7.0f (%6.3f ms)\n", what, block,
+              ms(block * kBarrierLatencyStep), cluster, ms(cluster * kBarrierLatencyStep));
+}
+
 const char* verdict(double ratio, double target) { return ratio <= target ? "met" : "missed"; }
 
 /// One row of the table: FA2, ours, the ratio and its target.
@@ -261,6 +276,15 @@ void print_breakdown(const ShapeModel& m) {
   print_kernels("our MHA backward", m.mha.backward);
   print_kernels("our MHA backward, two-sided", m.two_sided.backward);
   print_kernels("our DCMHA backward", m.dcmha.backward);
+  std::printf(
+      "barriers waited at per multiprocessor, and what each %.0f ns of a barrier's latency adds "
+      "where nothing fills the wait:\n",
+      kBarrierLatencyStep * 1e9);
+  print_barriers("our MHA forward", m.mha.forward.total);
+  print_barriers("our MHA backward", m.mha.backward.total);
+  print_barriers("our MHA backward, two-sided", m.two_sided.backward.total);
+  print_barriers("our DCMHA forward", m.dcmha.forward.total);
+  print_barriers("our DCMHA backward", m.dcmha.backward.total);
   print_per_pair(m.s, {{"FA2 MHA forward", &m.fa2_forward},
                        {"our MHA forward", &m.mha.forward.total},
                        {"our DCMHA forward", &m.dcmha.forward.total},

@@ -30,19 +30,28 @@ struct Work {
   double shared_wavefronts = 0;  // shared-memory cycles of one multiprocessor (128 B or a shuffle)
   double peer_bytes = 0;         // another block's shared memory (a cluster's DSMEM)
   double hbm_bytes = 0;          // compulsory: every input read once, every output written once
+  // Barriers the blocks wait at, summed over blocks (a cluster barrier once per block): not a
+  // unit of the modeled time, whose ceilings are throughputs, but its latency's exposure.
+  double block_barriers = 0, cluster_barriers = 0;
 
   Work& operator+=(const Work& o) {
     mma += o.mma, fma += o.fma, exp += o.exp, l2_bytes += o.l2_bytes;
     shared_wavefronts += o.shared_wavefronts, peer_bytes += o.peer_bytes;
     hbm_bytes += o.hbm_bytes;
+    block_barriers += o.block_barriers, cluster_barriers += o.cluster_barriers;
     return *this;
   }
 };
 
 /// The fields the emulator counts (all but the compulsory bytes).
-constexpr double Work::*kCountedFields[] = {
-    &Work::mma,       &Work::fma, &Work::exp, &Work::l2_bytes, &Work::shared_wavefronts,
-    &Work::peer_bytes};
+constexpr double Work::*kCountedFields[] = {&Work::mma,
+                                            &Work::fma,
+                                            &Work::exp,
+                                            &Work::l2_bytes,
+                                            &Work::shared_wavefronts,
+                                            &Work::peer_bytes,
+                                            &Work::block_barriers,
+                                            &Work::cluster_barriers};
 
 /// The emulator's counts of a launch as Work (its compulsory bytes are the shape's, apart).
 inline Work work_of(const cuda::emulator::Counters& c) {
@@ -54,6 +63,7 @@ inline Work work_of(const cuda::emulator::Counters& c) {
   // instructions whose results come back one 32-lane register per cycle.
   w.shared_wavefronts = double(c.shared_wavefronts + c.shuffles);
   w.peer_bytes = double(c.peer_shared_bytes);
+  w.block_barriers = double(c.block_barriers), w.cluster_barriers = double(c.cluster_barriers);
   return w;
 }
 

@@ -36,6 +36,7 @@ struct Counters {
   std::uint64_t peer_shared_bytes = 0;  // another block's shared memory (a cluster's DSMEM)
   std::uint64_t mma = 0;                // m16n8k16 tensor-core instructions (2,048 multiply-adds)
   std::uint64_t fma = 0, exp = 0;  // CUDA-core multiply-adds and exponentials the kernels count
+  // Barriers met, once per block that waits: a cluster barrier once for each block of the cluster.
   std::uint64_t shuffles = 0, block_barriers = 0, cluster_barriers = 0, warp_syncs = 0;
   // Atomic adds to an address that another block of the launch added to before: their order,
   // and so the sum's last bits, are the schedule's (0 for a deterministic launch).

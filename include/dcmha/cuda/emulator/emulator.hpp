@@ -607,7 +607,7 @@ inline void HostBlock::sync_cluster(Site site) const {
   r.meet(lane_, ClusterRun::Meeting::cluster_barrier, "sync_cluster", site, [&](int) {
     ++r.cluster_generation_;
     for (auto& g : r.block_generation_) ++g;
-    r.counters_.cluster_barriers += 1;
+    r.counters_.cluster_barriers += std::uint64_t(r.shape_.cluster);
   });
 }
 
