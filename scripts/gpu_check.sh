@@ -9,10 +9,14 @@
 #   step        budget  what
 #   device       20 s   nvidia-smi, nvcc --version
 #   configure    60 s   CMake for sm_90 only, no -Werror (a warning must not cost the lease)
-#   build       180 s   test_cuda_gpu and dcmha_cuda_bench only, ninja where present, all cores:
+#   build       180 s   test_cuda_gpu, dcmha_cuda_bench and dcmha_model_probes only, ninja where
+#                       present, all cores:
 #                       24 kernel units (3 types x head-dim classes 32-128 x forward, backward;
 #                       no case uses 256), each at most 100 s of one core (docs/performance.md)
 #   gpu-tests    60 s   test_cuda_gpu: CUDA results against the reference, decode, determinism
+#   probes       20 s   dcmha_model_probes: the cost model's assumptions measured (a 16-byte
+#                       shared load's cycles by lanes per address, block and cluster barriers,
+#                       DSMEM bandwidth) -> probes.md
 #   memcheck     30 s   compute-sanitizer on CudaGpu.SmallCaseForTheSanitizers* (a small case
 #   racecheck    30 s     of every kernel): out-of-bounds accesses, shared-memory races,
 #   synccheck    30 s     barriers not every thread reaches
@@ -31,9 +35,9 @@
 # findings and the summary (step, status, seconds), because only the last ~12,000 characters
 # of a leased machine's output come back.
 #
-# OUT_DIR gets five files: summary.txt, table.md, bench.json, sanitizer.txt (each tool's verdict
-# and first findings) and gpu_check.log (every step's output, in order). Per-step logs are in
-# build-gpu/logs/. DCMHA_BENCH_LONG=1 adds T = 8192 to the benchmarks and the table (a longer,
+# OUT_DIR gets six files: summary.txt, table.md, probes.md, bench.json, sanitizer.txt (each
+# tool's verdict and first findings) and gpu_check.log (every step's output, in order).
+# Per-step logs are in build-gpu/logs/. DCMHA_BENCH_LONG=1 adds T = 8192 to the benchmarks and the table (a longer,
 # manual run: their budgets and the deadline grow by 180 s).
 #
 # Eigen, GoogleTest and Google Benchmark come from the system or from .deps/ (made on a Debian
@@ -51,7 +55,8 @@ mkdir -p "$OUT_DIR" "$LOGS" || exit 2
 LOG="$OUT_DIR/gpu_check.log"
 SUMMARY="$OUT_DIR/summary.txt"
 SANITIZER="$OUT_DIR/sanitizer.txt"
-rm -f "$OUT_DIR/bench.json" "$OUT_DIR/table.md" "$SUMMARY" "$SANITIZER" "$LOGS"/*.log
+rm -f "$OUT_DIR/bench.json" "$OUT_DIR/table.md" "$OUT_DIR/probes.md" "$SUMMARY" "$SANITIZER" \
+  "$LOGS"/*.log
 : >"$LOG"
 
 DEADLINE_S="${DCMHA_GPU_CHECK_DEADLINE_S:-340}" # smaller only for a dry run of the control flow
@@ -154,7 +159,7 @@ configure_build() {
 
 # shellcheck disable=SC2317
 build_targets() {
-  cmake --build "$BUILD" -j "$(nproc)" --target test_cuda_gpu dcmha_cuda_bench
+  cmake --build "$BUILD" -j "$(nproc)" --target test_cuda_gpu dcmha_cuda_bench dcmha_model_probes
 }
 
 # compute-sanitizer beside nvcc (the toolkit's bin/), on PATH, or in the toolkit's own folder.
@@ -200,11 +205,12 @@ export BUILD ROOT
 export -f show_device configure_build build_targets
 tests="$BUILD/tests/cuda/test_cuda_gpu"
 bench="$BUILD/bench/dcmha_cuda_bench"
+probes="$BUILD/bench/dcmha_model_probes"
 RESERVE=$((BENCH_S + TABLE_S)) # kept for the benchmarks and the table by every step before them
 
 run_step device 20 "$RESERVE" bash -c show_device
 # A failed build must not leave an earlier run's binaries to be tested and timed.
-rm -f "$tests" "$bench"
+rm -f "$tests" "$bench" "$probes"
 if run_step configure 60 "$RESERVE" bash -c configure_build; then
   # Its first errors too: the tail of a failed nvcc run is often template context.
   run_step build 180 "$RESERVE" bash -c build_targets || grep -m 10 ' error' "$LOGS/build.log"
@@ -214,6 +220,9 @@ fi
 
 if needs gpu-tests "$tests"; then
   run_step gpu-tests 60 "$RESERVE" "$tests" && grep -E '^\[  PASSED' "$LOGS/gpu-tests.log"
+fi
+if needs probes "$probes"; then
+  run_step probes 20 "$RESERVE" "$probes" --table "$OUT_DIR/probes.md"
 fi
 
 SANITIZER_BIN="$(find_sanitizer || true)"
@@ -256,6 +265,8 @@ fi
   echo "total $((SECONDS - START)) s of $DEADLINE_S; $([ "$FAILED" -eq 0 ] && echo 'all passed' ||
     echo 'FAILED')"
 } >"$SUMMARY"
+printf '\n==== the cost model assumptions, measured (%s)\n' "$OUT_DIR/probes.md"
+cat "$OUT_DIR/probes.md" 2>/dev/null || echo "no probes: see the probes step above"
 printf '\n==== table (%s)\n' "$OUT_DIR/table.md"
 cat "$OUT_DIR/table.md" 2>/dev/null || echo "no table: see the table step above"
 printf '\n==== sanitizers (%s)\n' "$SANITIZER"
