@@ -70,8 +70,9 @@ def compose(x, side, projection_kind):
     return out + torch.einsum("bhts,bsrh,bsrn->bnts", low, kw1, kw2)
 
 
-def draw(B, H, T, D, R, logit_std, storage, generator):
-    """Inputs rounded to the storage type, as float64 leaves."""
+def draw(shape, logit_std, storage, generator):
+    """Inputs of shape (B, H, T, D, R) rounded to the storage type, as float64 leaves."""
+    B, H, T, D, R = shape
     def normal(*shape, std=1.0):
         return torch.randn(*shape, generator=generator, dtype=torch.float64) * std
 
@@ -126,7 +127,7 @@ def forward_backward(inputs, storage, variant):
 
 def relative_errors(storage, length, heads, logit_std, seed):
     generator = torch.Generator().manual_seed(seed)
-    inputs = draw(1, heads, length, 128, 2, logit_std, storage, generator)
+    inputs = draw((1, heads, length, 128, 2), logit_std, storage, generator)
     exact_out, exact_grads = forward_backward(inputs, storage, None)
     rows = {}
     for variant in VARIANTS:
