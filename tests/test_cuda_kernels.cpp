@@ -158,7 +158,8 @@ TEST(CudaKernelsEmulated, TensorCoreStorageTypes) {
 TEST(CudaKernelsEmulated, MhaWarpsOfThirtyTwoRows) {
   // MHA's registers mode in bf16 and fp16 gives a warp two 16-row tiles sharing each K and V
   // fragment: planned tiles (a second row tile past the last real row), forced tiles of 32 and
-  // 128 rows, windows, per-sequence lengths, split keys, head dims 128 (tall) and 256 (16 rows).
+  // 128 rows, windows, per-sequence lengths, split keys, head dims 128 (tall) and 256 (16-row
+  // warps of a kernel without Compose, split keys too).
   ProblemSpec s = tiled_spec();
   s.pre = s.post = SideSpec::none();
   s.D = 16, s.Dv = 24;
@@ -181,6 +182,9 @@ TEST(CudaKernelsEmulated, MhaWarpsOfThirtyTwoRows) {
     s.D = s.Dv = d;
     check_case<bf16>(dcmha::test::with_launch(s), seed++);
   }
+  check_case<half>(dcmha::test::with_launch(s), seed++);
+  s.T = 20, s.S = 100;
+  check_case<bf16>(dcmha::test::with_launch(s, tiles(0, 0, 3)), seed++);
 }
 
 TEST(CudaKernelsEmulated, BackwardWithoutTheOutput) {

@@ -87,17 +87,17 @@ inline LaunchOptions with_device(const char* fn, LaunchOptions opt) {
   return opt;
 }
 
-/// The forward's launches with warps of kRowTiles 16-row tiles.
-template <class T, int kHeadDim, int kRowTiles>
+/// The forward's launches with warps of kRowTiles 16-row tiles, Compose compiled in or not.
+template <class T, int kHeadDim, int kRowTiles, bool kComposes>
 void run_forward_launches(const char* fn, const detail::ForwardParams<T>& p, const ForwardLaunch& l,
                           const KeySplit& split, cudaStream_t stream) {
-  auto* kernel = forward_kernel<T, kHeadDim, kRowTiles>;
+  auto* kernel = forward_kernel<T, kHeadDim, kRowTiles, false, kComposes>;
   if (l.geo.splits == 1) {
     launch(fn, kernel, l.blocks, stream, p, l.geo, split);
     return;
   }
   auto* split_kernel = kernel;
-  if constexpr (kRowTiles == 1)
+  if constexpr (kComposes)
     if (l.geo.scores_kept) split_kernel = forward_kernel<T, kHeadDim, 1, true>;
   launch(fn, split_kernel, l.blocks, stream, p, l.phase(ForwardPhase::split_statistics), split);
   launch(fn, combine_statistics_kernel<T>, l.per_head, stream, p, split);
@@ -111,8 +111,9 @@ void run_forward_launches(const char* fn, const detail::ForwardParams<T>& p, con
 template <class T, int kHeadDim>
 void run_forward_kernels(const char* fn, const detail::ForwardParams<T>& p, const ForwardLaunch& l,
                          const KeySplit& split, cudaStream_t stream) {
-  dispatch_row_tiles<T, kHeadDim>(l.geo.warp_rows, [&](auto row_tiles) {
-    run_forward_launches<T, kHeadDim, decltype(row_tiles)::value>(fn, p, l, split, stream);
+  dispatch_forward_warps<T, kHeadDim>(l.geo, [&](auto row_tiles, auto composes) {
+    run_forward_launches<T, kHeadDim, decltype(row_tiles)::value, decltype(composes)::value>(
+        fn, p, l, split, stream);
   });
 }
 

@@ -43,14 +43,16 @@ void run_forward(const detail::ForwardParams<T>& p, const ForwardLaunch& l) {
     auto blocks = [&](const char* name, ForwardPhase phase, const KeySplit& split) {
       const ForwardGeometry geo = l.phase(phase);
       emulator::launch(name, l.blocks.shape, [&](const HostBlock& blk) {
-        dispatch_row_tiles<T, kHeadDim>(geo.warp_rows, [&](auto row_tiles) {
+        dispatch_forward_warps<T, kHeadDim>(geo, [&](auto row_tiles, auto composes) {
           constexpr int kRowTiles = decltype(row_tiles)::value;
-          if constexpr (kRowTiles == 1)
+          constexpr bool kComposes = decltype(composes)::value;
+          if constexpr (kComposes)
             if (geo.scores_kept && phase != ForwardPhase::whole) {
               ForwardKernel<T, kHeadDim, HostBlock, 1, true>(blk, p, geo, split).run();
               return;
             }
-          ForwardKernel<T, kHeadDim, HostBlock, kRowTiles>(blk, p, geo, split).run();
+          ForwardKernel<T, kHeadDim, HostBlock, kRowTiles, false, kComposes>(blk, p, geo, split)
+              .run();
         });
       });
     };

@@ -39,15 +39,6 @@ constexpr bool kTallWarps = kForwardRegistersToSpare<T, kHeadDim>;
 template <class T, int kHeadDim>
 constexpr int kForwardItemRows = kForwardRegistersToSpare<T, kHeadDim> ? 2 : 1;
 
-/// Calls f(std::integral_constant<int, kRowTiles>{}) for the row tiles per warp the geometry's
-/// warp_rows asks for; only the kTallWarps classes compile the tall kernel.
-template <class T, int kHeadDim, class F>
-decltype(auto) dispatch_row_tiles(int warp_rows, F&& f) {
-  if constexpr (kTallWarps<T, kHeadDim>)
-    if (warp_rows == 32) return f(std::integral_constant<int, 2>{});
-  return f(std::integral_constant<int, 1>{});
-}
-
 /// Where the forward's arrays sit in a block's shared memory (byte offsets).
 struct ForwardLayout {
   std::uint32_t q = 0;  // [own head][rows][kHeadDim]
@@ -120,6 +111,24 @@ struct ForwardGeometry {
     shared_bytes = c.bytes();
   }
 };
+
+/// Calls f(std::integral_constant<int, kRowTiles>{}, std::bool_constant<kComposes>{}) for the
+/// forward kernel the geometry needs: the tall one (32-row warps, registers mode) where warp_rows
+/// asks for it, which only the kTallWarps classes compile; for the registers mode of the other
+/// tensor-core classes (head dim 256), a 16-row kernel without Compose, whose 128 output
+/// accumulators a lane then have the registers that Compose's code would take; else the 16-row
+/// kernel of every mode (float storage spills without Compose too, at head dim 128 already: a
+/// kernel more per class would lengthen its build for no kernel without spills).
+template <class T, int kHeadDim, class F>
+decltype(auto) dispatch_forward_warps(const ForwardGeometry& geo, F&& f) {
+  if constexpr (kTallWarps<T, kHeadDim>) {
+    if (geo.warp_rows == 32) return f(std::integral_constant<int, 2>{}, std::false_type{});
+  } else if constexpr (kTensorCoreType<T>) {
+    if (geo.mode == ForwardMode::registers)
+      return f(std::integral_constant<int, 1>{}, std::false_type{});
+  }
+  return f(std::integral_constant<int, 1>{}, std::true_type{});
+}
 
 /// The forward's tiles as a kernel sees them: views made from the layout where needed.
 template <class T, int kHeadDim>

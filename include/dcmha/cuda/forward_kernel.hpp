@@ -40,15 +40,17 @@ namespace dcmha::cuda {
 /// (ForwardGeometry::scores_kept), a kernel of their own: the statistics launch stores them, the
 /// values launch reads them. Either inside the whole forward makes ptxas spill its 255 registers
 /// (sm_90, head dim 128).
-template <class T, int kHeadDim, class Block, int kRowTiles = 1, bool kKeptScores = false>
+/// kComposes: Compose's code is compiled in (every mode); without it the kernel runs the registers
+/// mode only (dispatch_forward_warps), as warps of two row tiles always do.
+template <class T, int kHeadDim, class Block, int kRowTiles = 1, bool kKeptScores = false,
+          bool kComposes = kRowTiles == 1>
 class ForwardKernel {
  public:
   static constexpr int kKeyTiles = kKeys / 8, kValueTiles = kHeadDim / 8;
   static constexpr int kWarpRows = 16 * kRowTiles;
-  /// Warps of two row tiles run the registers mode only: nothing of Compose is compiled in.
-  static constexpr bool kComposes = kRowTiles == 1;
   static constexpr int kItemRows = kForwardItemRows<T, kHeadDim>;
   static_assert(kRowTiles == 1 || kTensorCoreType<T>, "tall warps take P from registers");
+  static_assert(kRowTiles == 1 || !kComposes, "tall warps run the registers mode only");
   static_assert(!kKeptScores || kComposes, "kept scores are composed");
 
   DCMHA_INLINE ForwardKernel(const Block& blk, const detail::ForwardParams<T>& p,

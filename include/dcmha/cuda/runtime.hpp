@@ -81,12 +81,14 @@ class DeviceWorkspace {
 /// up to 255 registers.
 constexpr int kMaxThreads = 256;
 
-template <class T, int kHeadDim, int kRowTiles, bool kKeptScores = false>
+template <class T, int kHeadDim, int kRowTiles, bool kKeptScores = false,
+          bool kComposes = kRowTiles == 1>
 __global__ void __launch_bounds__(kMaxThreads, 1)
     forward_kernel(const __grid_constant__ detail::ForwardParams<T> p,
                    const __grid_constant__ ForwardGeometry geo, const KeySplit split) {
   const DeviceBlock blk;
-  ForwardKernel<T, kHeadDim, DeviceBlock, kRowTiles, kKeptScores>(blk, p, geo, split).run();
+  ForwardKernel<T, kHeadDim, DeviceBlock, kRowTiles, kKeptScores, kComposes>(blk, p, geo, split)
+      .run();
 }
 
 template <class T>
