@@ -210,9 +210,9 @@ class RunCache {
     const Plans plans = plans_of(s);
     std::vector<EmulatedRuns>& kept = s.dcmha ? dcmha_ : s.two_sided ? two_sided_ : mha_;
     for (const EmulatedRuns& r : kept)
-      if (same_blocks(r.plans, plans)) return emulated_work(s, r);
+      if (same_blocks(r.plans, plans)) return emulated_work(s, r, plans);
     kept.push_back(emulated_runs(s, plans));
-    return emulated_work(s, kept.back());
+    return emulated_work(s, kept.back(), plans);
   }
 
  private:

@@ -318,15 +318,15 @@ inline bool same_blocks(const Plans& a, const Plans& b) {
 
 /// Our kernels' forward and backward at shape s (s.backward is ignored).
 struct EmulatedWork {
-  Plans plans;
+  Plans plans;  // shape s's (its runs may be another shape's that launches the same blocks)
   std::array<index_t, 4> lengths{};
   OperationWork forward, backward;
   std::array<Counts, 2> longest;  // forward and backward counts at lengths[3], not extrapolated
 };
 
-inline EmulatedWork emulated_work(BenchmarkShape s, const EmulatedRuns& runs) {
+inline EmulatedWork emulated_work(BenchmarkShape s, const EmulatedRuns& runs, const Plans& plans) {
   EmulatedWork result;
-  result.plans = runs.plans;
+  result.plans = plans;
   result.lengths = runs.lengths;
   const auto& c = runs.counts;
   result.longest = c[3];
@@ -336,7 +336,7 @@ inline EmulatedWork emulated_work(BenchmarkShape s, const EmulatedRuns& runs) {
     w = extrapolated_operation(s, runs.lengths, {c[0][op], c[1][op], c[2][op], c[3][op]});
     w.data_error = counts_difference(c[0][op], runs.redrawn[op]);
   }
-  const cuda::BackwardLaunch& b = runs.plans.backward;
+  const cuda::BackwardLaunch& b = plans.backward;
   if (b.one_pass) {  // O read for the row dots (as FA2's), dQ's float sums zeroed and read back
     const double tokens = double(s.B) * double(s.H) * double(s.T),
                  sums = b.key.split_sums ? b.key.key_splits : 1;
