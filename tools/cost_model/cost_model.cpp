@@ -107,6 +107,15 @@ void print_barriers(const char* what, const Work& w) {
               ms(block * kBarrierLatencyStep), cluster, ms(cluster * kBarrierLatencyStep));
 }
 
+/// The step of the time between two launches the launch lines price (a sensitivity, as the
+/// barriers': the model runs an operation's launches back to back).
+constexpr double kLaunchGapStep = 1e-6;
+
+/// An operation's launches and what each kLaunchGapStep between launches adds.
+void print_launches(const char* what, int launches) {
+  std::printf("  %-28s %3d (%6.3f ms)\n", what, launches, ms(launches * kLaunchGapStep));
+}
+
 const char* verdict(double ratio, double target) { return ratio <= target ? "met" : "missed"; }
 
 /// One row of the table: FA2, ours, the ratio and its target.
@@ -285,6 +294,17 @@ void print_breakdown(const ShapeModel& m) {
   print_barriers("our MHA backward, two-sided", m.two_sided.backward.total);
   print_barriers("our DCMHA forward", m.dcmha.forward.total);
   print_barriers("our DCMHA backward", m.dcmha.backward.total);
+  std::printf(
+      "launches an operation makes, and what each %.0f us between launches adds where nothing "
+      "fills the gap:\n",
+      kLaunchGapStep * 1e6);
+  print_launches("FA2 MHA forward", kFlashForwardLaunches);
+  print_launches("FA2 MHA backward", kFlashBackwardLaunches);
+  print_launches("our MHA forward", m.mha.plans.forward_launches);
+  print_launches("our MHA backward", m.mha.plans.backward_launches);
+  print_launches("our MHA backward, two-sided", m.two_sided.plans.backward_launches);
+  print_launches("our DCMHA forward", m.dcmha.plans.forward_launches);
+  print_launches("our DCMHA backward", m.dcmha.plans.backward_launches);
   print_per_pair(m.s, {{"FA2 MHA forward", &m.fa2_forward},
                        {"our MHA forward", &m.mha.forward.total},
                        {"our DCMHA forward", &m.dcmha.forward.total},

@@ -92,6 +92,7 @@ inline AttentionConfig causal() {
 struct Plans {
   cuda::ForwardLaunch forward;
   cuda::BackwardLaunch backward;
+  int forward_launches = 0, backward_launches = 0;  // at the benchmark shape
 
   cuda::LaunchOptions forward_options() const {
     cuda::LaunchOptions o;
@@ -143,9 +144,12 @@ inline Plans plans_of(const BenchmarkShape& s) {
       cuda::forward_launch(fn, detail::forward_params<bf16>(fn, causal(), q, k, v, out, lse, c));
   cuda::LaunchOptions backward;
   backward.one_pass = !s.two_sided;
-  p.backward = cuda::backward_launch(
-      fn, detail::backward_params<bf16>(fn, causal(), q, k, v, lse, dout, dq, dk, dv, c, g, out),
-      backward);
+  const detail::BackwardParams<bf16> b =
+      detail::backward_params<bf16>(fn, causal(), q, k, v, lse, dout, dq, dk, dv, c, g, out);
+  p.backward = cuda::backward_launch(fn, b, backward);
+  p.forward_launches = cuda::launch_count(p.forward);
+  p.backward_launches =
+      cuda::launch_count(p.backward, cuda::backward_scratch_sizes(b.dims, p.backward));
   return p;
 }
 

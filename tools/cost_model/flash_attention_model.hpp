@@ -21,6 +21,10 @@
 
 namespace dcmha::cost_model {
 
+/// Its launches: the forward's one kernel; the backward's row dots, main loop and dQ's
+/// conversion.
+constexpr int kFlashForwardLaunches = 1, kFlashBackwardLaunches = 3;
+
 /// The head dim FlashAttention-2 compiles a head dim D in (its classes 32, 64, 96, 128, ...):
 /// its products and shared tiles are that wide, zero-filled past D; global memory moves D.
 inline index_t flash_head_dim(index_t D) { return (D + 31) / 32 * 32; }

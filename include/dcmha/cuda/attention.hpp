@@ -22,6 +22,7 @@
 #include "../compose_weights.hpp"
 #include "../config.hpp"
 #include "../detail/validate.hpp"
+#include "launch_sequence.hpp"
 #include "runtime.hpp"
 
 namespace dcmha::cuda {
@@ -87,22 +88,25 @@ inline LaunchOptions with_device(const char* fn, LaunchOptions opt) {
   return opt;
 }
 
-/// The forward's launches with warps of kRowTiles 16-row tiles, Compose compiled in or not.
+/// One of the forward's launches (for_each_launch), with warps of kRowTiles 16-row tiles,
+/// Compose compiled in or not.
 template <class T, int kHeadDim, int kRowTiles, bool kComposes>
-void run_forward_launches(const char* fn, const detail::ForwardParams<T>& p, const ForwardLaunch& l,
-                          const KeySplit& split, cudaStream_t stream) {
-  auto* kernel = forward_kernel<T, kHeadDim, kRowTiles, false, kComposes>;
-  if (l.geo.splits == 1) {
-    launch(fn, kernel, l.blocks, stream, p, l.geo, split);
+void run_forward_launch(const char* fn, const detail::ForwardParams<T>& p, const ForwardLaunch& l,
+                        const KeySplit& split, Kernel kernel, cudaStream_t stream) {
+  if (kernel == Kernel::combine_split_statistics) {
+    launch(fn, combine_statistics_kernel<T>, l.per_head, stream, p, split);
     return;
   }
-  auto* split_kernel = kernel;
+  if (kernel == Kernel::sum_split_outputs) {
+    launch(fn, sum_splits_kernel<T>, l.per_head, stream, p, split);
+    return;
+  }
+  const ForwardPhase phase = phase_of(kernel);
+  auto* blocks_kernel = forward_kernel<T, kHeadDim, kRowTiles, false, kComposes>;
   if constexpr (kComposes)
-    if (l.geo.scores_kept) split_kernel = forward_kernel<T, kHeadDim, 1, true>;
-  launch(fn, split_kernel, l.blocks, stream, p, l.phase(ForwardPhase::split_statistics), split);
-  launch(fn, combine_statistics_kernel<T>, l.per_head, stream, p, split);
-  launch(fn, split_kernel, l.blocks, stream, p, l.phase(ForwardPhase::split_values), split);
-  launch(fn, sum_splits_kernel<T>, l.per_head, stream, p, split);
+    if (l.geo.scores_kept && phase != ForwardPhase::whole)
+      blocks_kernel = forward_kernel<T, kHeadDim, 1, true>;
+  launch(fn, blocks_kernel, l.blocks, stream, p, l.phase(phase), split);
 }
 
 /// The forward's kernels of one head-dim class on a planned, staged call: one launch, or a split
@@ -112,26 +116,56 @@ template <class T, int kHeadDim>
 void run_forward_kernels(const char* fn, const detail::ForwardParams<T>& p, const ForwardLaunch& l,
                          const KeySplit& split, cudaStream_t stream) {
   dispatch_forward_warps<T, kHeadDim>(l.geo, [&](auto row_tiles, auto composes) {
-    run_forward_launches<T, kHeadDim, decltype(row_tiles)::value, decltype(composes)::value>(
-        fn, p, l, split, stream);
+    for_each_launch(l, [&](Kernel kernel, int) {
+      run_forward_launch<T, kHeadDim, decltype(row_tiles)::value, decltype(composes)::value>(
+          fn, p, l, split, kernel, stream);
+    });
   });
 }
 
-/// The backward's query-side and key-side kernels of one head-dim class, or its one pass.
+/// One of the backward's launches (for_each_launch), its kernels of head-dim class kHeadDim.
+template <class T, int kHeadDim>
+void run_backward_launch(const char* fn, const detail::BackwardParams<T>& p,
+                         const BackwardLaunch& l, const BackwardScratch& scratch, Kernel kernel,
+                         int round, cudaStream_t stream) {
+  switch (kernel) {
+    case Kernel::backward_row_dots:
+      launch(fn, row_dots_kernel<T>, l.row_passes, stream, p, scratch);
+      return;
+    case Kernel::backward_one_pass:
+      if constexpr (kOnePassHeadDim<T, kHeadDim>)
+        launch(fn, mha_backward_kernel<T, kHeadDim>, l.key_blocks, stream, p,
+               l.round_geometry(round), scratch);
+      return;
+    case Kernel::backward_query_grads:
+      launch(fn, query_grads_kernel<T>, l.row_passes, stream, p, scratch);
+      return;
+    case Kernel::backward_query:
+      launch(fn, query_grad_kernel<T, kHeadDim>, l.query_blocks, stream, p, l.query, scratch);
+      return;
+    case Kernel::backward_key:
+      launch(fn, key_grad_kernel<T, kHeadDim>, l.key_blocks, stream, p, l.key, scratch);
+      return;
+    case Kernel::sum_static_grads:
+      launch(fn, static_grad_kernel<T>, l.static_sums, stream, p, l.query.rows, scratch);
+      return;
+    case Kernel::sum_head_grads:
+      launch(fn, head_grad_kernel<T>, l.head_sums, stream, p, scratch);
+      return;
+    default:
+      return;
+  }
+}
+
+/// The backward's kernels of one head-dim class on a planned, staged call, every launch of it
+/// (a function per (T, kHeadDim), as run_forward_kernels).
 template <class T, int kHeadDim>
 void run_backward_kernels(const char* fn, const detail::BackwardParams<T>& p,
                           const BackwardLaunch& l, const BackwardScratch& scratch,
                           cudaStream_t stream) {
-  if constexpr (kOnePassHeadDim<T, kHeadDim>) {
-    if (l.one_pass) {
-      for (int round = 0; round < l.key_rounds; ++round)
-        launch(fn, mha_backward_kernel<T, kHeadDim>, l.key_blocks, stream, p,
-               l.round_geometry(round), scratch);
-      return;
-    }
-  }
-  launch(fn, query_grad_kernel<T, kHeadDim>, l.query_blocks, stream, p, l.query, scratch);
-  launch(fn, key_grad_kernel<T, kHeadDim>, l.key_blocks, stream, p, l.key, scratch);
+  for_each_launch(l, backward_scratch_sizes(p.dims, l), [&](Kernel kernel, int round) {
+    run_backward_launch<T, kHeadDim>(fn, p, l, scratch, kernel, round, stream);
+  });
 }
 
 /// The backend seam (cpu::forward's twin): runs a validated call's ForwardParams, whose views
@@ -153,8 +187,7 @@ void launch_forward(const char* fn, detail::ForwardParams<T> p, DeviceWorkspace&
   });
 }
 
-/// cpu::backward's twin: the query side, the key side, then the sums, in one stream (or the
-/// row dots, the one pass and dQ).
+/// cpu::backward's twin: its launches (for_each_launch) in one stream.
 template <class T>
 void launch_backward(const char* fn, detail::BackwardParams<T> p, DeviceWorkspace& ws,
                      cudaStream_t stream, const LaunchOptions& opt) {
@@ -168,15 +201,10 @@ void launch_backward(const char* fn, detail::BackwardParams<T> p, DeviceWorkspac
     check(
         fn, "cudaMemsetAsync",
         cudaMemsetAsync(scratch.static_partials, 0, sizes.static_partials * sizeof(float), stream));
-  if (l.one_pass) launch(fn, row_dots_kernel<T>, l.row_passes, stream, p, scratch);
   dispatch_head_dim(l.head_dim, [&](auto head_dim) {
     run_backward_kernels<T, decltype(head_dim)::value>(fn, p, l, scratch, stream);
     return 0;
   });
-  if (l.one_pass) launch(fn, query_grads_kernel<T>, l.row_passes, stream, p, scratch);
-  if (sizes.static_partials > 0)
-    launch(fn, static_grad_kernel<T>, l.static_sums, stream, p, l.query.rows, scratch);
-  if (l.key.dkv_per_head) launch(fn, head_grad_kernel<T>, l.head_sums, stream, p, scratch);
 }
 
 // The entry points of one storage type. Each is a template over nothing but an unused int, its

@@ -13,7 +13,7 @@
 #include "backward_kernel.hpp"
 #include "mha_backward_kernel.hpp"
 #include "forward_kernel.hpp"
-#include "launch_plan.hpp"
+#include "launch_sequence.hpp"
 
 namespace dcmha::cuda::emulate {
 
@@ -35,40 +35,49 @@ inline float* scratch_as_on_device(std::vector<float>& storage, index_t n) {
   return aligned_as_on_device(storage, n);
 }
 
+/// One of a forward's launches (for_each_launch), its kernels of head-dim class kHeadDim.
+template <class T, int kHeadDim>
+void run_forward_launch(const detail::ForwardParams<T>& p, const ForwardLaunch& l,
+                        const KeySplit& split, Kernel kernel) {
+  const char* name = kernel_name(kernel);
+  if (kernel == Kernel::combine_split_statistics) {
+    emulator::launch(name, l.per_head.shape,
+                     [&](const HostBlock& blk) { combine_split_statistics(blk, p, split); });
+    return;
+  }
+  if (kernel == Kernel::sum_split_outputs) {
+    emulator::launch(name, l.per_head.shape,
+                     [&](const HostBlock& blk) { sum_split_outputs(blk, p, split); });
+    return;
+  }
+  const ForwardPhase phase = phase_of(kernel);
+  const ForwardGeometry geo = l.phase(phase);
+  emulator::launch(name, l.blocks.shape, [&](const HostBlock& blk) {
+    dispatch_forward_warps<T, kHeadDim>(geo, [&](auto row_tiles, auto composes) {
+      constexpr int kRowTiles = decltype(row_tiles)::value;
+      constexpr bool kComposes = decltype(composes)::value;
+      if constexpr (kComposes)
+        if (geo.scores_kept && phase != ForwardPhase::whole) {
+          ForwardKernel<T, kHeadDim, HostBlock, 1, true>(blk, p, geo, split).run();
+          return;
+        }
+      ForwardKernel<T, kHeadDim, HostBlock, kRowTiles, false, kComposes>(blk, p, geo, split).run();
+    });
+  });
+}
+
 /// The forward's launches (launch_forward's twin, on host memory).
 template <class T>
 void run_forward(const detail::ForwardParams<T>& p, const ForwardLaunch& l) {
+  std::vector<float> storage;
+  const KeySplit split =
+      l.geo.splits == 1
+          ? KeySplit{}
+          : l.carve(scratch_as_on_device(storage, l.scratch_elements(p.dims)), p.dims);
   dispatch_head_dim(l.head_dim, [&](auto head_dim) {
-    constexpr int kHeadDim = decltype(head_dim)::value;
-    auto blocks = [&](const char* name, ForwardPhase phase, const KeySplit& split) {
-      const ForwardGeometry geo = l.phase(phase);
-      emulator::launch(name, l.blocks.shape, [&](const HostBlock& blk) {
-        dispatch_forward_warps<T, kHeadDim>(geo, [&](auto row_tiles, auto composes) {
-          constexpr int kRowTiles = decltype(row_tiles)::value;
-          constexpr bool kComposes = decltype(composes)::value;
-          if constexpr (kComposes)
-            if (geo.scores_kept && phase != ForwardPhase::whole) {
-              ForwardKernel<T, kHeadDim, HostBlock, 1, true>(blk, p, geo, split).run();
-              return;
-            }
-          ForwardKernel<T, kHeadDim, HostBlock, kRowTiles, false, kComposes>(blk, p, geo, split)
-              .run();
-        });
-      });
-    };
-    if (l.geo.splits == 1) {
-      blocks("forward", ForwardPhase::whole, KeySplit{});
-      return 0;
-    }
-    std::vector<float> storage;
-    const KeySplit split =
-        l.carve(scratch_as_on_device(storage, l.scratch_elements(p.dims)), p.dims);
-    blocks("forward_split_statistics", ForwardPhase::split_statistics, split);
-    emulator::launch("combine_split_statistics", l.per_head.shape,
-                     [&](const HostBlock& blk) { combine_split_statistics(blk, p, split); });
-    blocks("forward_split_values", ForwardPhase::split_values, split);
-    emulator::launch("sum_split_outputs", l.per_head.shape,
-                     [&](const HostBlock& blk) { sum_split_outputs(blk, p, split); });
+    for_each_launch(l, [&](Kernel kernel, int) {
+      run_forward_launch<T, decltype(head_dim)::value>(p, l, split, kernel);
+    });
     return 0;
   });
 }
@@ -82,41 +91,50 @@ void forward(const AttentionConfig& cfg, TensorView<const T, 4> q, TensorView<co
   run_forward(p, forward_launch(fn, p, opt));
 }
 
-/// The backward's query side and key side.
+/// One of a backward's launches (for_each_launch).
 template <class T>
-void run_two_sides(const detail::BackwardParams<T>& p, const BackwardLaunch& l,
-                   const BackwardScratch& scratch) {
+void run_backward_launch(const detail::BackwardParams<T>& p, const BackwardLaunch& l,
+                         const BackwardScratch& scratch, Kernel kernel, int round) {
+  const char* name = kernel_name(kernel);
+  switch (kernel) {
+    case Kernel::backward_row_dots:
+      emulator::launch(name, l.row_passes.shape,
+                       [&](const HostBlock& blk) { sum_row_dots(blk, p, scratch); });
+      return;
+    case Kernel::backward_query_grads:
+      emulator::launch(name, l.row_passes.shape,
+                       [&](const HostBlock& blk) { store_query_grads(blk, p, scratch); });
+      return;
+    case Kernel::sum_static_grads:
+      emulator::launch(name, l.static_sums.shape, [&](const HostBlock& blk) {
+        sum_static_grads(blk, p, l.query.rows, scratch);
+      });
+      return;
+    case Kernel::sum_head_grads:
+      emulator::launch(name, l.head_sums.shape,
+                       [&](const HostBlock& blk) { sum_head_grads(blk, p, scratch); });
+      return;
+    default:
+      break;
+  }
   dispatch_head_dim(l.head_dim, [&](auto head_dim) {
     constexpr int kHeadDim = decltype(head_dim)::value;
-    emulator::launch("backward_query", l.query_blocks.shape, [&](const HostBlock& blk) {
-      QueryGradKernel<T, kHeadDim, HostBlock>(blk, p, l.query, scratch).run();
-    });
-    emulator::launch("backward_key", l.key_blocks.shape, [&](const HostBlock& blk) {
-      KeyGradKernel<T, kHeadDim, HostBlock>(blk, p, l.key, scratch).run();
-    });
+    if (kernel == Kernel::backward_query) {
+      emulator::launch(name, l.query_blocks.shape, [&](const HostBlock& blk) {
+        QueryGradKernel<T, kHeadDim, HostBlock>(blk, p, l.query, scratch).run();
+      });
+    } else if (kernel == Kernel::backward_key) {
+      emulator::launch(name, l.key_blocks.shape, [&](const HostBlock& blk) {
+        KeyGradKernel<T, kHeadDim, HostBlock>(blk, p, l.key, scratch).run();
+      });
+    } else if constexpr (kOnePassHeadDim<T, kHeadDim>) {
+      const BackwardGeometry geo = l.round_geometry(round);
+      emulator::launch(name, l.key_blocks.shape, [&](const HostBlock& blk) {
+        MhaBackwardKernel<T, kHeadDim, HostBlock>(blk, p, geo, scratch).run();
+      });
+    }
     return 0;
   });
-}
-
-/// MHA's one-pass backward: the row dots, the pass, dQ.
-template <class T>
-void run_one_pass(const detail::BackwardParams<T>& p, const BackwardLaunch& l,
-                  const BackwardScratch& scratch) {
-  emulator::launch("backward_row_dots", l.row_passes.shape,
-                   [&](const HostBlock& blk) { sum_row_dots(blk, p, scratch); });
-  dispatch_head_dim(l.head_dim, [&](auto head_dim) {
-    constexpr int kHeadDim = decltype(head_dim)::value;
-    if constexpr (kOnePassHeadDim<T, kHeadDim>)
-      for (int round = 0; round < l.key_rounds; ++round) {
-        const BackwardGeometry geo = l.round_geometry(round);
-        emulator::launch("backward_one_pass", l.key_blocks.shape, [&](const HostBlock& blk) {
-          MhaBackwardKernel<T, kHeadDim, HostBlock>(blk, p, geo, scratch).run();
-        });
-      }
-    return 0;
-  });
-  emulator::launch("backward_query_grads", l.row_passes.shape,
-                   [&](const HostBlock& blk) { store_query_grads(blk, p, scratch); });
 }
 
 /// The backward's launches (launch_backward's twin, on host memory).
@@ -128,18 +146,9 @@ void run_backward(const detail::BackwardParams<T>& p, const BackwardLaunch& l) {
       carve_scratch(scratch_as_on_device(storage, sizes.total()), sizes);
   // dQ's sums start as whatever a reused workspace holds: the row-dots pass must zero them.
   std::fill(scratch.dq_sum, scratch.dq_sum + sizes.dq_sum, std::numeric_limits<float>::quiet_NaN());
-  if (l.one_pass) {
-    run_one_pass(p, l, scratch);
-  } else {
-    run_two_sides(p, l, scratch);
-  }
-  if (sizes.static_partials > 0)
-    emulator::launch("sum_static_grads", l.static_sums.shape, [&](const HostBlock& blk) {
-      sum_static_grads(blk, p, l.query.rows, scratch);
-    });
-  if (l.key.dkv_per_head)
-    emulator::launch("sum_head_grads", l.head_sums.shape,
-                     [&](const HostBlock& blk) { sum_head_grads(blk, p, scratch); });
+  for_each_launch(l, sizes, [&](Kernel kernel, int round) {
+    run_backward_launch(p, l, scratch, kernel, round);
+  });
 }
 
 template <class T>
