@@ -104,8 +104,7 @@ void run_forward_launch(const char* fn, const detail::ForwardParams<T>& p, const
   const ForwardPhase phase = phase_of(kernel);
   auto* blocks_kernel = forward_kernel<T, kHeadDim, kRowTiles, false, kComposes>;
   if constexpr (kComposes)
-    if (l.geo.scores_kept && phase != ForwardPhase::whole)
-      blocks_kernel = forward_kernel<T, kHeadDim, 1, true>;
+    if (runs_kept_scores(l, kernel)) blocks_kernel = forward_kernel<T, kHeadDim, 1, true>;
   launch(fn, blocks_kernel, l.blocks, stream, p, l.phase(phase), split);
 }
 

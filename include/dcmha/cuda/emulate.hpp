@@ -57,7 +57,7 @@ void run_forward_launch(const detail::ForwardParams<T>& p, const ForwardLaunch& 
       constexpr int kRowTiles = decltype(row_tiles)::value;
       constexpr bool kComposes = decltype(composes)::value;
       if constexpr (kComposes)
-        if (geo.scores_kept && phase != ForwardPhase::whole) {
+        if (runs_kept_scores(l, kernel)) {
           ForwardKernel<T, kHeadDim, HostBlock, 1, true>(blk, p, geo, split).run();
           return;
         }

@@ -47,6 +47,13 @@ inline ForwardPhase phase_of(Kernel k) {
                                                : ForwardPhase::whole;
 }
 
+/// Whether a forward launch's blocks run the kept-scores kernel (ForwardKernel's kKeptScores:
+/// one 16-row tile a warp, its statistics launch storing the composed scores that its values
+/// launch reads) rather than the plan's warps. Only a Compose kernel can be asked to.
+inline bool runs_kept_scores(const ForwardLaunch& l, Kernel k) {
+  return l.geo.scores_kept && phase_of(k) != ForwardPhase::whole;
+}
+
 /// Calls f(kernel, 0) for each of a forward's launches (a decode step's too), in stream order.
 template <class F>
 void for_each_launch(const ForwardLaunch& l, F&& f) {
