@@ -445,6 +445,64 @@ struct Projections {
   }
 };
 
+/// Row i of the item's heads without the low-rank terms: y = x (1 + key gate + query gate), x
+/// read as 0 past the item's rows. y may be x.
+template <int kRows, class W>
+DCMHA_INLINE void set_residual_and_gates(const detail::ComposeTermSet& t, const ComposeItem& it,
+                                         int i, const HeadWeights<W>& key_gate,
+                                         const HeadWeights<W>& query_gate,
+                                         const ItemValues<kRows>& x, ItemValues<kRows>& y) {
+  DCMHA_UNROLL
+  for (int j = 0; j < kCachedHeads; ++j) {
+    if (j >= it.heads) continue;
+    const float xj = i < it.rows ? x.v[j][i] : 0.0f;
+    float out = xj * (1.0f + (t.key_wise ? key_gate[j] : 0.0f));
+    if (t.query_wise) out += xj * query_gate[j];
+    y.v[j][i] = out;
+  }
+}
+
+/// compose_heads's parts on one item: the side's weights, the direction, and where the
+/// query-wise weights come from (QueryWeights or HeldQueryWeights).
+template <class Block, class W, class Query>
+struct ItemCompose {
+  const Block& blk;
+  const SideWeights<W>& w;
+  const ComposeItem& it;
+  Direction d;
+  const Query& query;
+
+  /// Row i without the key-wise low-rank terms: the residual, the gates, the query-wise terms.
+  template <int kRows>
+  DCMHA_INLINE void row(int i, const HeadWeights<W>& key_gate, const Projections<kRows>& p,
+                        const ItemValues<kRows>& x, ItemValues<kRows>& y) const {
+    HeadWeights<W> query_gate;
+    if (i < it.rows && w.terms.query_wise) query_gate = query.gate(blk, w, it, i);
+    set_residual_and_gates(w.terms, it, i, key_gate, query_gate, x, y);
+    if (i >= it.rows || !w.terms.query_wise) return;
+    DCMHA_UNROLL
+    for (int r = 0; r < kMaxRank; ++r) {
+      if (r >= int(w.terms.query_rank)) continue;
+      add_scaled_heads(it, p.q[i][r], query.output(blk, w, it, i, r, d), i, y);
+    }
+  }
+
+  /// Adds every row's key-wise low-rank terms, each weight read once for all rows.
+  template <int kRows>
+  DCMHA_INLINE void add_key_terms(const Projections<kRows>& p, ItemValues<kRows>& y) const {
+    const int Rk = int(w.terms.key_rank);
+    const int k0 = d == Direction::forward ? Rk : 0;
+    DCMHA_UNROLL
+    for (int r = 0; r < kMaxRank; ++r) {
+      if (r >= Rk) continue;
+      HeadWeights<W> kw;
+      kw.load(blk, w.key_at(k0 + r, it.part, it.weight_key), it.heads);
+      DCMHA_UNROLL
+      for (int i = 0; i < kRows; ++i) add_scaled_heads(it, p.k[i][r], kw, i, y);
+    }
+  }
+};
+
 /// y = Compose(x) (forward) or Compose^T(x) (transpose) of the lane's heads at the item's rows
 /// without the static term: the residual, the gates and the low-rank terms, from x and the
 /// projections. y may be x (head j's output depends on its own input only).
@@ -453,37 +511,13 @@ DCMHA_INLINE void compose_heads(const Block& blk, const SideWeights<W>& w, const
                                 const Projections<kRows>& p, const ItemValues<kRows>& x,
                                 ItemValues<kRows>& y, Direction d = Direction::forward,
                                 const Query& query = {}) {
+  const ItemCompose<Block, W, Query> item{blk, w, it, d, query};
   const int Rq = int(w.terms.query_rank), Rk = int(w.terms.key_rank);
-  const int k0 = d == Direction::forward ? Rk : 0;
   HeadWeights<W> key_gate;
   if (w.terms.key_wise) key_gate.load(blk, w.key_at(2 * Rk, it.part, it.weight_key), it.heads);
   DCMHA_UNROLL
-  for (int i = 0; i < kRows; ++i) {
-    HeadWeights<W> query_gate;
-    if (i < it.rows && w.terms.query_wise) query_gate = query.gate(blk, w, it, i);
-    DCMHA_UNROLL
-    for (int j = 0; j < kCachedHeads; ++j) {
-      if (j >= it.heads) continue;
-      const float xj = i < it.rows ? x.v[j][i] : 0.0f;
-      float out = xj * (1.0f + (w.terms.key_wise ? key_gate[j] : 0.0f));
-      if (w.terms.query_wise) out += xj * query_gate[j];
-      y.v[j][i] = out;
-    }
-    if (i >= it.rows || !w.terms.query_wise) continue;
-    DCMHA_UNROLL
-    for (int r = 0; r < kMaxRank; ++r) {
-      if (r >= Rq) continue;
-      add_scaled_heads(it, p.q[i][r], query.output(blk, w, it, i, r, d), i, y);
-    }
-  }
-  DCMHA_UNROLL
-  for (int r = 0; r < kMaxRank; ++r) {
-    if (r >= Rk) continue;
-    HeadWeights<W> kw;
-    kw.load(blk, w.key_at(k0 + r, it.part, it.weight_key), it.heads);
-    DCMHA_UNROLL
-    for (int i = 0; i < kRows; ++i) add_scaled_heads(it, p.k[i][r], kw, i, y);
-  }
+  for (int i = 0; i < kRows; ++i) item.row(i, key_gate, p, x, y);
+  item.add_key_terms(p, y);
   blk.count_fma(index_t(it.rows) * it.heads * (2 + Rq + Rk));
 }
 
