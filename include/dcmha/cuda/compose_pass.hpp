@@ -290,6 +290,20 @@ DCMHA_INLINE void add_scaled_heads(const ComposeItem& it, float a, const HeadWei
     if (j < it.heads) y.v[j][i] += a * w[j];
 }
 
+/// Calls f(r, weights) for each key-wise rank r of the side, with the item's key's weights of
+/// term first + r, each read once for all of the item's rows.
+template <class Block, class W, class F>
+DCMHA_INLINE void for_each_key_rank(const Block& blk, const SideWeights<W>& w,
+                                    const ComposeItem& it, int first, F&& f) {
+  DCMHA_UNROLL
+  for (int r = 0; r < kMaxRank; ++r) {
+    if (r >= int(w.terms.key_rank)) continue;
+    HeadWeights<W> kw;
+    kw.load(blk, w.key_at(first + r, it.part, it.weight_key), it.heads);
+    f(r, kw);
+  }
+}
+
 /// The query-wise weights of an item's row i, read from shared memory where used: the
 /// projections' (w1 forward, w2 transposed), the outputs' (the other) and the gate.
 struct QueryWeights {
@@ -393,16 +407,12 @@ struct Projections {
                         const ItemValues<kRows>& x, Direction d = Direction::forward,
                         const Query& query = {}) {
     const int Rq = int(w.terms.query_rank), Rk = int(w.terms.key_rank);
-    const int k0 = d == Direction::forward ? 0 : Rk;
-    DCMHA_UNROLL
-    for (int r = 0; r < kMaxRank; ++r) {
-      if (r >= Rk) continue;
-      HeadWeights<W> kw;
-      kw.load(blk, w.key_at(k0 + r, it.part, it.weight_key), it.heads);
-      DCMHA_UNROLL
-      for (int i = 0; i < kRows; ++i)
-        if (i < it.rows) k[i][r] += dot_heads(it, x, i, kw);
-    }
+    for_each_key_rank(blk, w, it, d == Direction::forward ? 0 : Rk,
+                      [&](int r, const HeadWeights<W>& kw) {
+                        DCMHA_UNROLL
+                        for (int i = 0; i < kRows; ++i)
+                          if (i < it.rows) k[i][r] += dot_heads(it, x, i, kw);
+                      });
     DCMHA_UNROLL
     for (int i = 0; i < kRows; ++i) {
       if (i >= it.rows) continue;
@@ -490,16 +500,11 @@ struct ItemCompose {
   /// Adds every row's key-wise low-rank terms, each weight read once for all rows.
   template <int kRows>
   DCMHA_INLINE void add_key_terms(const Projections<kRows>& p, ItemValues<kRows>& y) const {
-    const int Rk = int(w.terms.key_rank);
-    const int k0 = d == Direction::forward ? Rk : 0;
-    DCMHA_UNROLL
-    for (int r = 0; r < kMaxRank; ++r) {
-      if (r >= Rk) continue;
-      HeadWeights<W> kw;
-      kw.load(blk, w.key_at(k0 + r, it.part, it.weight_key), it.heads);
+    const int first = d == Direction::forward ? int(w.terms.key_rank) : 0;
+    for_each_key_rank(blk, w, it, first, [&](int r, const HeadWeights<W>& kw) {
       DCMHA_UNROLL
       for (int i = 0; i < kRows; ++i) add_scaled_heads(it, p.k[i][r], kw, i, y);
-    }
+    });
   }
 };
 
