@@ -567,8 +567,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     for (int s = 0; s < 2; ++s) {
       const ComposeTerms<T>& c = s == 0 ? p_.compose.pre : p_.compose.post;
       if (sh().side(s).terms.query_wise)
-        stage_query_weights(blk_, sh().side(s), c, b_, g_, t0_ + slice_row_begin_, geo_.slice,
-                            real_end);
+        stage_query_weights(blk_, sh().side(s), c,
+                            {b_, g_, t0_ + slice_row_begin_, geo_.slice, real_end});
       stage_static_weights(blk_, sh().side(s), c, g_);
     }
     rows_ = FragmentRows(blk_, mask(), b_, t0_ + row0_, rows_real_ - row0_);
@@ -657,8 +657,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     DCMHA_UNROLL
     for (int side = 0; side < 2; ++side)
       if (sh().side(side).terms.key_wise)
-        stage_key_weights(blk_, sh().side(side), side == 0 ? p_.compose.pre : p_.compose.post, b_,
-                          g_, s0 + slice_key_begin_, geo_.slice_keys, this->key_length(),
+        stage_key_weights(blk_, sh().side(side), side == 0 ? p_.compose.pre : p_.compose.post,
+                          {b_, g_, s0 + slice_key_begin_, geo_.slice_keys, this->key_length()},
                           detail::KeyRing{});
     blk_.sync_cluster();
     prefetch_values(keys);
@@ -883,7 +883,7 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     for (int s = 0; s < 2; ++s) {
       const ComposeTerms<T>& c = s == 0 ? p_.compose.pre : p_.compose.post;
       if (sh().side(s).terms.key_wise)
-        stage_key_weights(blk_, sh().side(s), c, b_, g_, s0_, geo_.rows, this->key_length(),
+        stage_key_weights(blk_, sh().side(s), c, {b_, g_, s0_, geo_.rows, this->key_length()},
                           detail::KeyRing{});
       stage_static_weights(blk_, sh().side(s), c, g_);
     }
@@ -925,8 +925,8 @@ class KeyGradKernel : BackwardBlock<T, Block> {
     DCMHA_UNROLL
     for (int s = 0; s < 2; ++s)
       if (sh().side(s).terms.query_wise)
-        stage_query_weights(blk_, sh().side(s), s == 0 ? p_.compose.pre : p_.compose.post, b_, g_,
-                            t0, kStreamRows, real_end);
+        stage_query_weights(blk_, sh().side(s), s == 0 ? p_.compose.pre : p_.compose.post,
+                            {b_, g_, t0, kStreamRows, real_end});
     store_fragments_transposed(blk_, st, sh().chain().scores.head(own_), row0_, 0, this->scale());
     store_fragments_transposed(blk_, dpt, sh().chain().upstream.head(own_), row0_, 0, 1.0f);
     blk_.sync_cluster();

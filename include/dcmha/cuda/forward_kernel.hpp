@@ -166,16 +166,17 @@ class ForwardKernel {
   DCMHA_INLINE void stage_query_weights(int side, const ComposeTerms<T>& c) {
     const index_t real_end =
         t0_ + (rows_real_ < int(query_length() - t0_) ? rows_real_ : query_length() - t0_);
-    cuda::stage_query_weights(blk_, sh().side(side), c, b_, g_, t0_ + slice_row_begin_,
-                              geo_.slice_rows, real_end);
+    cuda::stage_query_weights(blk_, sh().side(side), c,
+                              {b_, g_, t0_ + slice_row_begin_, geo_.slice_rows, real_end});
     stage_static_weights(blk_, sh().side(side), c, g_);
   }
 
   /// Key-wise weights of the block's slice of the tile's keys [s0, s0 + kKeys).
   DCMHA_INLINE void stage_key_weights(int side, const ComposeTerms<T>& c, index_t s0) {
     if (sh().side(side).terms.key_wise)
-      cuda::stage_key_weights(blk_, sh().side(side), c, b_, g_, s0 + slice_key_begin_,
-                              geo_.slice_keys, key_length(), p_.keys);
+      cuda::stage_key_weights(blk_, sh().side(side), c,
+                              {b_, g_, s0 + slice_key_begin_, geo_.slice_keys, key_length()},
+                              p_.keys);
   }
 
   /// Rows [s0, s0 + kKeys) of x (K or V) of every kv slot into `tiles` (uncommitted).

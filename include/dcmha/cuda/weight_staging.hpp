@@ -10,18 +10,25 @@
 
 namespace dcmha::cuda {
 
-/// Query-wise weights of rows [t_first, t_first + rows) of sequence b, group g: rows at or past
-/// `real_end` are not real.
+/// The positions a staging takes: `count` rows (or keys) of sequence b, group g, from `first`;
+/// those at or past `real_end` are not real.
+struct StagedPositions {
+  index_t b, g, first;
+  int count;
+  index_t real_end;
+};
+
+/// Query-wise weights of the rows `rows`.
 template <class Block, class T>
 DCMHA_INLINE void stage_query_weights(const Block& blk, const SideWeights<T>& w,
-                                      const ComposeTerms<T>& c, index_t b, index_t g,
-                                      index_t t_first, int rows, index_t real_end) {
+                                      const ComposeTerms<T>& c, const StagedPositions& rows) {
   const int M = w.M, Rq = int(w.terms.query_rank), terms = w.query_terms();
-  for_each_owned(blk, rows * terms * M, [&](int i) {
+  const index_t b = rows.b, g = rows.g;
+  for_each_owned(blk, rows.count * terms * M, [&](int i) {
     const int row = i / (terms * M), term = i / M % terms, m = i % M;
-    const index_t t = t_first + row;
+    const index_t t = rows.first + row;
     T x(0.0f);
-    if (t < real_end)
+    if (t < rows.real_end)
       x = term < Rq       ? blk.load_global(&c.qw1(b, t, g, term, m))
           : term < 2 * Rq ? blk.load_global(&c.qw2(b, t, g, term - Rq, m))
                           : blk.load_global(&c.qdd(b, t, g, m));
@@ -52,22 +59,22 @@ struct KeyWeightOrder {
   }
 };
 
-/// Key-wise weights of keys [s_first, s_first + keys) (logical; stored at ring slots), keys at or
-/// past `real_end` not real.
+/// Key-wise weights of the keys `keys` (logical positions, stored at ring slots).
 template <class Block, class T>
 DCMHA_INLINE void stage_key_weights(const Block& blk, const SideWeights<T>& w,
-                                    const ComposeTerms<T>& c, index_t b, index_t g, index_t s_first,
-                                    int keys, index_t real_end, const detail::KeyRing& ring) {
+                                    const ComposeTerms<T>& c, const StagedPositions& keys,
+                                    const detail::KeyRing& ring) {
   const int Rk = int(w.terms.key_rank);
+  const index_t b = keys.b, g = keys.g;
   const bool slots_adjacent = c.kdd.stride[1] == 1 && w.M > 1;
-  const KeyWeightOrder order{keys, w.key_terms(), w.M, slots_adjacent ? kSlotRunShift : 0};
+  const KeyWeightOrder order{keys.count, w.key_terms(), w.M, slots_adjacent ? kSlotRunShift : 0};
   for_each_owned(blk, order.count(), [&](int i) {
     int key = 0, term = 0, m = 0;
     order.item(i, key, term, m);
-    if (key >= keys) return;
-    const index_t s = s_first + key;
+    if (key >= keys.count) return;
+    const index_t s = keys.first + key;
     T x(0.0f);
-    if (s < real_end) {
+    if (s < keys.real_end) {
       const index_t slot = ring.slot(b, s);
       x = term < Rk       ? blk.load_global(&c.kw1(b, slot, g, term, m))
           : term < 2 * Rk ? blk.load_global(&c.kw2(b, slot, g, term - Rk, m))
