@@ -24,10 +24,14 @@
 #endif
 // Unrolls the loop it precedes in device code: loops over a thread's register arrays (fragments,
 // compose items) must be unrolled, or the arrays go to local memory.
+// DCMHA_NO_UNROLL keeps the loop it precedes rolled in device code, where the unrolled copies of
+// a body that loads its operands would each hold their loads in registers of their own.
 #if defined(__CUDA_ARCH__)
 #define DCMHA_UNROLL _Pragma("unroll")
+#define DCMHA_NO_UNROLL _Pragma("unroll 1")
 #else
 #define DCMHA_UNROLL
+#define DCMHA_NO_UNROLL
 #endif
 
 namespace dcmha {

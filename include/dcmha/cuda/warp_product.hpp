@@ -106,11 +106,14 @@ DCMHA_INLINE void mma(const Block& blk, float (&d)[4], const std::uint32_t (&a)[
 
 /// The CUDA-core product for float storage: each lane sums its own fragment elements, k
 /// outermost so that its two rows of A are read once per k for every n8 tile (and the loop
-/// body, not kTiles * 4 loops, is what unrolls).
+/// body, not kTiles * 4 loops, is what unrolls). The k loop itself stays rolled: ptxas, left to
+/// unroll it, loads several k's 2 (kTiles + 1) operands ahead of their products, registers the
+/// kernels' accumulators need, and the float kernels spilled at every head dim.
 template <int kTiles, class Block, class A, class B>
 DCMHA_INLINE void scalar_product(const Block& blk, Accumulators<kTiles>& acc, int depth, A&& a,
                                  B&& b) {
   const FragmentPlace f(blk);
+  DCMHA_NO_UNROLL
   for (int k = 0; k < depth; ++k) {
     const float a_top = a(f.row(0), k), a_bottom = a(f.row(2), k);
     DCMHA_UNROLL
