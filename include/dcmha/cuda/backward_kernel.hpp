@@ -529,7 +529,9 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   using HeldQueryRows = typename Base::template HeldPair<kHoldRows ? kHeadDim : 16>;
   /// The lane's query-wise weights of each side, loaded by the first chain and held through
   /// both passes (in the second beside dQ's accumulators, without a spill up to head dim 128).
-  using HeldWeights = HeldQueryWeights<kChainRows, T>;
+  /// Float's weights, a register each, are read where used: held, they made its query side spill.
+  using HeldWeights =
+      std::conditional_t<kTensorCoreType<T>, HeldQueryWeights<kChainRows, T>, QueryWeights>;
 
   /// The row dots, then dQ and the weight gradients; kHeld: MHA on the tensor cores with the
   /// warp's Q and dO rows held in registers.
