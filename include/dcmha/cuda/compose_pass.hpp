@@ -455,23 +455,6 @@ struct Projections {
   }
 };
 
-/// Row i of the item's heads without the low-rank terms: y = x (1 + key gate + query gate), x
-/// read as 0 past the item's rows. y may be x.
-template <int kRows, class W>
-DCMHA_INLINE void set_residual_and_gates(const detail::ComposeTermSet& t, const ComposeItem& it,
-                                         int i, const HeadWeights<W>& key_gate,
-                                         const HeadWeights<W>& query_gate,
-                                         const ItemValues<kRows>& x, ItemValues<kRows>& y) {
-  DCMHA_UNROLL
-  for (int j = 0; j < kCachedHeads; ++j) {
-    if (j >= it.heads) continue;
-    const float xj = i < it.rows ? x.v[j][i] : 0.0f;
-    float out = xj * (1.0f + (t.key_wise ? key_gate[j] : 0.0f));
-    if (t.query_wise) out += xj * query_gate[j];
-    y.v[j][i] = out;
-  }
-}
-
 /// compose_heads's parts on one item: the side's weights, the direction, and where the
 /// query-wise weights come from (QueryWeights or HeldQueryWeights).
 template <class Block, class W, class Query>
@@ -488,12 +471,29 @@ struct ItemCompose {
                         const ItemValues<kRows>& x, ItemValues<kRows>& y) const {
     HeadWeights<W> query_gate;
     if (i < it.rows && w.terms.query_wise) query_gate = query.gate(blk, w, it, i);
-    set_residual_and_gates(w.terms, it, i, key_gate, query_gate, x, y);
+    set_residual_and_gates(i, key_gate, query_gate, x, y);
     if (i >= it.rows || !w.terms.query_wise) return;
     DCMHA_UNROLL
     for (int r = 0; r < kMaxRank; ++r) {
       if (r >= int(w.terms.query_rank)) continue;
       add_scaled_heads(it, p.q[i][r], query.output(blk, w, it, i, r, d), i, y);
+    }
+  }
+
+  /// Row i of the item's heads without the low-rank terms: y = x (1 + key gate + query gate), x
+  /// read as 0 past the item's rows. y may be x.
+  template <int kRows>
+  DCMHA_INLINE void set_residual_and_gates(int i, const HeadWeights<W>& key_gate,
+                                           const HeadWeights<W>& query_gate,
+                                           const ItemValues<kRows>& x, ItemValues<kRows>& y) const {
+    const detail::ComposeTermSet& t = w.terms;
+    DCMHA_UNROLL
+    for (int j = 0; j < kCachedHeads; ++j) {
+      if (j >= it.heads) continue;
+      const float xj = i < it.rows ? x.v[j][i] : 0.0f;
+      float out = xj * (1.0f + (t.key_wise ? key_gate[j] : 0.0f));
+      if (t.query_wise) out += xj * query_gate[j];
+      y.v[j][i] = out;
     }
   }
 
