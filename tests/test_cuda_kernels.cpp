@@ -402,12 +402,65 @@ TEST(CudaKernelsEmulated, TilesAndClusters) {
   check_case<bf16>(dcmha::test::with_launch(s, tiles(32, 4)), seed++);
 }
 
+/// The forward plan of case c in storage type T.
+template <class T>
+dcmha::cuda::ForwardLaunch forward_plan(const Case& c) {
+  const dcmha::reference::Problem p = dcmha::test::storage_problem<T>(problem_of(c, 0));
+  EmulatedRun<T> run(c, p, dcmha::test::random_dout(p, 0));
+  TypedProblem<T>& tp = run.tp;
+  return dcmha::cuda::forward_launch(
+      "plan",
+      dcmha::detail::forward_params("plan", run.cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(),
+                                    tp.compose()),
+      c.launch);
+}
+
 /// Tiles as given, split_scores as chosen.
 LaunchOptions split_tiles(index_t splits, dcmha::cuda::SplitScores scores, index_t rows = 0,
                           int cluster = 0) {
   LaunchOptions o = tiles(rows, cluster, splits);
   o.split_scores = scores;
   return o;
+}
+
+TEST(CudaKernelsEmulated, StatisticsKeptByComposeLanes) {
+  // Where a block's threads take all of its slice's compose items at once (bf16 and fp16, M = 8,
+  // 16, 32, ...), the statistics pass keeps each lane's log-sum-exp by key column and merges them
+  // at its end: a group of 8 heads over every cluster and tile, with partial tiles of rows and
+  // keys, static W (composed out of place), a window, rows that see no key, split keys (more
+  // splits than key tiles: empty shares).
+  ProblemSpec s = tiled_spec();
+  s.H = 8, s.Hk = 4, s.G = 1, s.D = s.Dv = 16;
+  s.T = 40, s.S = 50;
+  uint64_t seed = 320;
+  const auto check = [&](bool half_storage, const Case& c) {
+    const dcmha::cuda::ForwardLaunch l =
+        half_storage ? forward_plan<half>(c) : forward_plan<bf16>(c);
+    ASSERT_EQ(l.geo.mode, dcmha::cuda::ForwardMode::two_pass) << c.str();
+    ASSERT_EQ(l.head_dim, 32) << c.str();
+    ASSERT_TRUE(l.geo.slice_in_one_round(dcmha::cuda::kForwardItemRows<bf16, 32>)) << c.str();
+    if (half_storage)
+      check_case<half>(c, seed++);
+    else
+      check_case<bf16>(c, seed++);
+  };
+  bool half_storage = false;
+  for (int cluster : {1, 2, 4, 8})
+    for (index_t rows : {16, 32, 64}) {
+      if (rows * 8 / cluster / 16 > 8) continue;  // more than 8 warps
+      s.pre = half_storage ? SideSpec::all() : SideSpec::dynamic();
+      s.post = SideSpec::dynamic();
+      check(half_storage, dcmha::test::with_launch(s, tiles(rows, cluster)));
+      half_storage = !half_storage;
+    }
+  s.window = 7;
+  Case c = dcmha::test::with_launch(s, tiles(32, 8));
+  c.query_lengths = {40, 0};
+  c.key_lengths = {50, 9};
+  check(true, c);
+  s.window = 0, s.T = 20, s.S = 150;
+  check(false,
+        dcmha::test::with_launch(s, split_tiles(7, dcmha::cuda::SplitScores::recomputed, 16, 4)));
 }
 
 TEST(CudaKernelsEmulated, KeysSplitAcrossBlocks) {
@@ -572,6 +625,8 @@ TEST(CudaKernelsEmulated, LaunchPlans) {
   EXPECT_LE(official.blocks.shared_bytes(), DeviceLimits::sm90().shared_bytes);
   EXPECT_EQ(official.geo.splits, 1);
   EXPECT_FALSE(official.geo.scores_kept);
+  // Its compose lanes take a block's slice at once: they keep the row statistics by key column.
+  EXPECT_TRUE(official.geo.slice_in_one_round(dcmha::cuda::kForwardItemRows<bf16, 128>));
   // Its decode step (B = 8, one new row over 4096 keys) splits the keys and keeps the composed
   // scores for the values launch (their floats a 64th of K's bytes); 64 new rows recompute them.
   const dcmha::cuda::ForwardLaunch step = official_forward(DeviceLimits::sm90(), 1, 8, 4096);

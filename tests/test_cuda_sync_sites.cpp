@@ -52,9 +52,9 @@ double forward_backward_error(const ProblemSpec& s, const LaunchOptions& launch,
   return worst;
 }
 
-/// The problems: each kernel's paths (MHA in fragments, one pass, two passes, float through
-/// tiles), clusters, static W, GQA, split keys (kept scores too); every one crosses several key
-/// and query tiles.
+/// The problems: each kernel's paths (MHA in fragments, one pass, two passes, statistics by key
+/// column, float through tiles), clusters, static W, GQA, split keys (kept scores too); every one
+/// crosses several key and query tiles.
 struct SyncCase {
   std::string name;
   double tolerance;
@@ -80,6 +80,12 @@ std::vector<SyncCase> cases() {
   dynamic.pre = dynamic.post = SideSpec::dynamic();
   out.push_back({"dynamic terms bf16, cluster 2 (two passes)", 3e-2, [=] {
                    return forward_backward_error<bf16>(dynamic, dcmha::test::tiles(0, 2), 7);
+                 }});
+  // 8 heads in a group: the compose lanes keep the row statistics by key column.
+  ProblemSpec eight = dynamic;
+  eight.H = 8, eight.Hk = 4;
+  out.push_back({"dynamic terms bf16, 8 heads, cluster 4 (statistics by key column)", 3e-2, [=] {
+                   return forward_backward_error<bf16>(eight, dcmha::test::tiles(0, 4), 10);
                  }});
   ProblemSpec all = s;
   all.pre = all.post = SideSpec::all();

@@ -41,6 +41,29 @@ struct SoftmaxState {
   }
 };
 
+/// The log-sum-exp of the scores seen so far as one value, where registers are too few for a
+/// SoftmaxState: each score adds log(1 + exp(lo - hi)) to the larger of it and the value, an
+/// exponential and a logarithm, and a rounding of the value (relative 2^-24) each time.
+template <class A>
+struct RunningLse {
+  A value = negative_infinity<A>();  // -inf: no key seen yet
+
+  /// Adds one finite score x.
+  DCMHA_INLINE void add(A x) {
+    using std::exp;
+    using std::log;
+    const A hi = x > value ? x : value, lo = x > value ? value : x;
+    value = hi + log(A(1) + exp(lo - hi));
+  }
+  /// The state it stands for: any maximum with its sum gives the same lse and merges alike.
+  DCMHA_INLINE SoftmaxState<A> state() const {
+    SoftmaxState<A> s;
+    s.max = value;
+    s.sum = value > negative_infinity<A>() ? A(1) : A(0);
+    return s;
+  }
+};
+
 /// The state of n states that saw disjoint keys, `at(j)` giving the j-th: the maximum of all first,
 /// then the sums rescaled to it and added in order j = 0, 1, ... (a fixed order, so a backend that
 /// splits a row's keys gets the same result on every run).

@@ -84,6 +84,13 @@ struct ForwardGeometry {
   /// tile instead of overwriting its input.
   DCMHA_INLINE bool pre_out_of_place() const { return terms.pre.static_w; }
   DCMHA_INLINE int threads() const { return warps * 32; }
+  /// Whether the block's threads take all of its slice's compose items (of item_rows rows) at
+  /// once, so that each lane composes the same positions in every key tile: with two-row items
+  /// where M is 8 times a power of two (a lane holds 8 heads; DCFormer's 32), never with one row.
+  DCMHA_INLINE bool slice_in_one_round(int item_rows) const {
+    return compose_items(ComposeRegion{0, slice_rows, 0, slice_keys, 0}, compose_parts,
+                         item_rows) <= threads();
+  }
   /// Floats per own head of the lse array: 8 past a multiple of 32, so that the compose items'
   /// parts reading consecutive heads' lse of one row fall in different banks.
   DCMHA_INLINE int lse_stride() const { return (rows + 31) / 32 * 32 + 8; }

@@ -52,6 +52,10 @@ class ForwardKernel {
   static_assert(kRowTiles == 1 || kTensorCoreType<T>, "tall warps take P from registers");
   static_assert(kRowTiles == 1 || !kComposes, "tall warps run the registers mode only");
   static_assert(!kKeptScores || kComposes, "kept scores are composed");
+  /// Whether the statistics pass can keep the row statistics by key column
+  /// (statistics_by_columns()): only two-row items let a block's threads take its whole slice at
+  /// once, as a lane holds at most kCachedHeads of the M heads.
+  static constexpr bool kColumnStatistics = kComposes && !kKeptScores && kItemRows == 2;
 
   DCMHA_INLINE ForwardKernel(const Block& blk, const detail::ForwardParams<T>& p,
                              const ForwardGeometry& geo, const KeySplit& split)
@@ -119,10 +123,16 @@ class ForwardKernel {
     static constexpr bool kQueryRows = false;
     QueryWeights query_weights;
   };
+  /// The online softmax of a compose lane's positions over the key tiles: its item's rows and
+  /// heads at its key column (the statistics pass, where the block's slice is one round of items).
+  struct ColumnStatistics {
+    detail::RunningLse<float> lse[kCachedHeads][kItemRows];
+  };
   struct StatisticsHeld {
     static constexpr bool kQueryRows = kTensorCoreType<T> && kRowTiles == 1;
     HeldRows<kQueryRows ? kHeadDim : 16> query_rows;
     HeldQueryWeights<kItemRows, T> query_weights;
+    ColumnStatistics columns;
   };
 
   // --- setup -----------------------------------------------------------------------------------
@@ -302,16 +312,65 @@ class ForwardKernel {
   DCMHA_INLINE void statistics_pass(const detail::KeyRange& keys) {
     int stage = 0;
     StatisticsHeld held;
+    const bool by_columns = statistics_by_columns();
     for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
       key_tile(s0, keys, stage, false);
       if constexpr (StatisticsHeld::kQueryRows)
         if (s0 == keys.begin)  // Q landed with the first key tile
           load_held_rows(blk_, sh().q().head(own_), row0_, score_depth(), held.query_rows);
+      if constexpr (kColumnStatistics) {
+        if (by_columns) {
+          composed_scores(s0, stage, false, held);
+          compose_scores(s0, held.query_weights, &held.columns);
+          blk_.sync_cluster();  // the next tile's scores and weights overwrite what this one read
+          continue;
+        }
+      }
       Scores s[kRowTiles];
       float factor[kRowTiles][2];
       softmax_step(s0, stage, s, factor, held);
       if (keeps_scores()) move_kept_scores(s0, composed_tiles(), true);
     }
+    if constexpr (kColumnStatistics)
+      if (by_columns) gather_column_statistics(held.columns);
+  }
+
+  /// Whether the statistics pass keeps the row statistics where Compose_pre makes the composed
+  /// scores, each lane for its item's rows and heads at its key column, rather than returning the
+  /// scores to their owners' tiles for their warps' online softmax: the scores then skip the trip
+  /// back across the cluster and into fragments. The lane's item must be the same in every key
+  /// tile (the slice in one round), and the kept scores' kernel stores the composed scores anyway.
+  DCMHA_INLINE bool statistics_by_columns() const {
+    return kColumnStatistics && geo_.composes() && geo_.slice_in_one_round(kItemRows);
+  }
+
+  /// The statistics pass's end where the lanes kept them by key column: each lane's states go to
+  /// its positions' owners as one log-sum-exp each, in the composed tiles, and each warp merges
+  /// its rows' key columns in column order into its row statistics.
+  DCMHA_INLINE void gather_column_statistics(const ColumnStatistics& columns) {
+    const ComposeItem it = item_of(0);
+    const GroupTiles out = group_tiles(composed_tiles());
+    if (it.valid)
+      for_item_heads(it, [&](int j) {
+        const ScoreTile t = out.head(blk_, it.head(j));
+        DCMHA_UNROLL
+        for (int i = 0; i < kItemRows; ++i)
+          if (i < it.rows) blk_.store_shared(t.at(it.row0 + i, it.key), columns.lse[j][i].value);
+      });
+    blk_.sync_cluster();
+    const ScoreTile own = composed_tiles().head(own_);
+    const FragmentPlace f(blk_);
+    DCMHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0_ + f.row(2 * h);
+      if (r >= rows_real_) continue;  // rows past T are not composed
+      state_[0][h] = detail::merge_states<float>(kKeys, [&](int c) {
+        detail::RunningLse<float> column;
+        column.value = blk_.load_shared(own.at(r, c));
+        return column.state();
+      });
+    }
+    blk_.count_exp(2 * kKeys);
   }
 
   /// registers / one_pass: the online softmax with the outputs rescaled as the maxima rise.
@@ -435,9 +494,10 @@ class ForwardKernel {
 
   /// Compose_pre of the slice's scores; invisible positions become -inf (the statistics skip
   /// them). Without Compose_pre (float MHA) the scores are only masked. The query-wise weights
-  /// come from `query`: QueryWeights, or HeldQueryWeights where the registers allow.
+  /// come from `query`: QueryWeights, or HeldQueryWeights where the registers allow. With
+  /// `columns` the visible composed scores are added to the lane's statistics instead of stored.
   template <class Query>
-  DCMHA_INLINE void compose_scores(index_t s0, Query& query) {
+  DCMHA_INLINE void compose_scores(index_t s0, Query& query, ColumnStatistics* columns = nullptr) {
     const SideWeights<T> w = sh().side(0);
     const GroupTiles in = group_tiles(sh().scores()), out = group_tiles(composed_tiles());
     const int rounds = compose_rounds<kItemRows>(blk_, region(), geo_.compose_parts);
@@ -455,17 +515,23 @@ class ForwardKernel {
       if (!it.valid) continue;
       detail::KeyRange ranges[kItemRows];
       item_ranges(it, ranges);
-      ItemValues<kItemRows> y;
-      compose_heads(blk_, w, it, proj, x, y, Direction::forward, query);
+      compose_heads(blk_, w, it, proj, x, x, Direction::forward, query);
       for_item_heads(it, [&](int j) {
         const int n = it.head(j);
-        if (w.terms.static_w) add_static_term(blk_, w, in, it, n, y.v[j]);
+        if (w.terms.static_w) add_static_term(blk_, w, in, it, n, x.v[j]);
+        if (columns) {
+          DCMHA_UNROLL
+          for (int i = 0; i < kItemRows; ++i)
+            if (i < it.rows && ranges[i].contains(s0 + it.key)) columns->lse[j][i].add(x.v[j][i]);
+          blk_.count_exp(2 * it.rows);  // an exponential and a logarithm
+          return;
+        }
         const ScoreTile t = out.head(blk_, n);
         DCMHA_UNROLL
         for (int i = 0; i < kItemRows; ++i)
           if (i < it.rows)
             blk_.store_shared(t.at(it.row0 + i, it.key), ranges[i].contains(s0 + it.key)
-                                                             ? y.v[j][i]
+                                                             ? x.v[j][i]
                                                              : detail::negative_infinity<float>());
       });
     }
