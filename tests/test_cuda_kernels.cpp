@@ -463,6 +463,63 @@ TEST(CudaKernelsEmulated, StatisticsKeptByComposeLanes) {
         dcmha::test::with_launch(s, split_tiles(7, dcmha::cuda::SplitScores::recomputed, 16, 4)));
 }
 
+/// The backward plan of case c in storage type T, given the forward's output.
+template <class T>
+dcmha::cuda::BackwardLaunch backward_plan(const Case& c) {
+  const dcmha::reference::Problem p = dcmha::test::storage_problem<T>(problem_of(c, 0));
+  EmulatedRun<T> run(c, p, dcmha::test::random_dout(p, 0));
+  TypedProblem<T>& tp = run.tp;
+  return dcmha::cuda::backward_launch(
+      "plan",
+      dcmha::detail::backward_params("plan", run.cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(),
+                                     tp.dq(), tp.dk(), tp.dv(), tp.compose(), tp.dcompose(),
+                                     dcmha::TensorView<const T, 4>(tp.out())),
+      c.launch);
+}
+
+TEST(CudaKernelsEmulated, RowDotsSummedByComposeLanes) {
+  // With Compose_post (or without the forward's output) the query side's first pass sums P dP
+  // where the compose lanes make it, over every key tile, and sends each sum to its owner once:
+  // in the lanes' registers where the block takes its items in two rounds (bf16 and fp16, M >= 8),
+  // else in the block's shared memory. Compose_post alone (W, query-wise, key-wise, all three)
+  // over every cluster of an 8-head group, partial tiles of rows and keys, a window, rows that see
+  // no key, GQA; a group of 4 heads (4 rounds); float MHA without the output (16 rounds).
+  ProblemSpec s = tiled_spec();
+  s.H = 8, s.Hk = 4, s.G = 1, s.D = s.Dv = 16;
+  s.T = 40, s.S = 50;
+  s.pre = SideSpec::none();
+  uint64_t seed = 340;
+  const auto check = [&](auto storage, const Case& c, int rounds, bool with_output = true) {
+    using T = decltype(storage);
+    const dcmha::cuda::BackwardGeometry g = backward_plan<T>(c).query;
+    ASSERT_FALSE(g.registers) << c.str();
+    const dcmha::cuda::ComposeRegion region{0, g.slice, 0, g.slice_keys};
+    const int items = dcmha::cuda::compose_items(region, g.compose_parts, 1);
+    ASSERT_EQ((items + g.threads() - 1) / g.threads(), rounds) << c.str();
+    check_case<T>(c, seed++, dcmha::test::Layout::bhtd, with_output);
+  };
+  const SideSpec posts[] = {
+      SideSpec::dynamic(), {true, false, false}, {false, true, false}, SideSpec::all()};
+  int i = 0;
+  for (int cluster : {1, 2, 4, 8}) {
+    s.post = posts[i++ % 4];
+    const Case c = dcmha::test::with_launch(s, tiles(cluster == 1 ? 16 : 32, cluster));
+    if (cluster % 2 == 0)
+      check(bf16{}, c, 2);
+    else
+      check(half{}, c, 2);
+  }
+  s.post = SideSpec::dynamic(), s.window = 7;
+  Case c = dcmha::test::with_launch(s, tiles(16, 4));
+  c.query_lengths = {40, 0};
+  c.key_lengths = {50, 9};
+  check(half{}, c, 2);
+  s.window = 0, s.H = 4, s.Hk = 2;
+  check(bf16{}, dcmha::test::with_launch(s, tiles(16, 2)), 4);
+  s.post = SideSpec::none(), s.Hk = 4, s.T = 20;
+  check(float{}, dcmha::test::with_launch(s, tiles(16)), 16, false);
+}
+
 TEST(CudaKernelsEmulated, KeysSplitAcrossBlocks) {
   // The split forward (decode's shape: few query tiles, many keys): statistics per share,
   // combined, then P'V per share, summed. More splits than key tiles leave shares empty. The

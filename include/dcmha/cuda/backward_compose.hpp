@@ -6,7 +6,7 @@
 // each head's results written to its owner's tiles, and the projections the compose weights'
 // gradients need (of each side's input and of its upstream gradient, along the kernel's axis)
 // into the composing block's sums. In the query side's first pass only P * dP is wanted (the row
-// dots D).
+// dots D), summed by the composing lanes.
 #include <cmath>
 
 #include "backward_geometry.hpp"
@@ -26,10 +26,29 @@ struct ChainContext {
   ChainSums sums;
   ComposeRegion region;
   bool query_axis = true;  // the weight gradients summed along keys (query side) or rows
-  bool row_dots_only = false;
+  // The query side's first pass (the row dots): P * dP added to each item's sums in the composing
+  // block's shared memory (item_sum), not sent to the owners' tiles; null in every other pass.
+  // With row_dot_columns the sums stay in the lane's registers instead, a set per round.
+  float* row_dot_sums = nullptr;
+  ItemValues<kChainRows>* row_dot_columns = nullptr;  // [kRegisterRowDotRounds]
 
   DCMHA_INLINE GroupTiles group(const ScoreTiles& t) const { return {t, own_heads}; }
+  DCMHA_INLINE bool row_dots_only() const { return row_dot_sums != nullptr; }
 };
+
+/// The most rounds of items whose row-dot sums a query-side lane keeps in registers: two, the
+/// rounds of DCFormer's groups (M >= 8) there; a round's set is kCachedHeads floats.
+constexpr int kRegisterRowDotRounds = 2;
+
+/// Where an item keeps a sum of its j-th head in an array of the block's shared memory, [j][item]
+/// with the region's items in order: a lane's items are the same in every tile, and consecutive
+/// lanes take consecutive words. The array holds the region's positions times M floats.
+DCMHA_INLINE int item_sum(const ComposeRegion& region, const ComposeItem& it, int j) {
+  static_assert(kChainRows == 1, "an item's sums are one row's");
+  const int item =
+      ((it.row0 - region.row_begin) * region.keys + it.key - region.key_begin) * it.parts + it.part;
+  return j * compose_items(region, it.parts, kChainRows) + item;
+}
 
 /// The item's statistic (lse or D) of head n at its rows, from n's owner.
 template <class Block, class T>
@@ -98,7 +117,7 @@ struct ChainSteps {
                           const PreQuery& pre, const PostQuery& post)
       : blk(b), cx(c), it(i), pre_query(pre), post_query(post) {}
   /// Whether the weight gradients' projections go to the sums (not in the row dots' pass).
-  DCMHA_INLINE bool keeps_sums() const { return it.valid && !cx.row_dots_only; }
+  DCMHA_INLINE bool keeps_sums() const { return it.valid && !cx.row_dots_only(); }
 
   /// 1. Projections of L (Compose_pre) and of dP' (Compose_post's transpose).
   DCMHA_INLINE void project_inputs() {
@@ -136,18 +155,18 @@ struct ChainSteps {
                   ? exp(x.v[j][i] - lse[i])
                   : 0.0f;
         blk.count_exp(it.rows);
-        if (!cx.row_dots_only) store_item(blk, cx.group(cx.tiles.probs).head(blk, n), it, x.v[j]);
+        if (!cx.row_dots_only()) store_item(blk, cx.group(cx.tiles.probs).head(blk, n), it, x.v[j]);
       });
-      if (!cx.row_dots_only) post_x.add(blk, cx.post, it, x, Direction::forward, post_query);
+      if (!cx.row_dots_only()) post_x.add(blk, cx.post, it, x, Direction::forward, post_query);
     }
-    if (!cx.row_dots_only) post_x.reduce(blk, cx.post.terms, it.parts);
+    if (!cx.row_dots_only()) post_x.reduce(blk, cx.post.terms, it.parts);
     // Each projection goes to the sums after its last use (fewer live registers).
     if (keeps_sums()) store_sums(blk, cx, it, 0, 0, pre_x);
     if (keeps_sums() && !kKeySide) store_sums(blk, cx, it, 1, 0, post_x);
   }
 
-  /// 3. dP = Compose_post^T(dP'); dL' = P (dP - D), or P * dP, to the owners; its projections
-  /// (Compose_pre's transpose).
+  /// 3. dP = Compose_post^T(dP'); dL' = P (dP - D) to the owners, or P * dP to the item's row-dot
+  /// sums; its projections (Compose_pre's transpose).
   DCMHA_INLINE void softmax_gradient() {
     pre_g.zero();
     if (!it.valid) return;
@@ -158,14 +177,28 @@ struct ChainSteps {
       if (cx.post.terms.static_w)
         add_static_term(blk, cx.post, cx.group(cx.tiles.upstream), it, m, g.v[j],
                         Direction::transpose);
-      if (!cx.row_dots_only) load_statistic(blk, cx, cx.row_dot, it, m, d);
+      if (!cx.row_dots_only()) load_statistic(blk, cx, cx.row_dot, it, m, d);
       DCMHA_UNROLL
       for (int i = 0; i < kChainRows; ++i)
-        g.v[j][i] = cx.row_dots_only ? x.v[j][i] * g.v[j][i] : x.v[j][i] * (g.v[j][i] - d[i]);
+        g.v[j][i] = cx.row_dots_only() ? x.v[j][i] * g.v[j][i] : x.v[j][i] * (g.v[j][i] - d[i]);
       blk.count_fma(it.rows);
+      if (cx.row_dots_only()) return add_row_dot(j, g.v[j][0]);
       store_item(blk, cx.group(cx.tiles.softmax_grad).head(blk, m), it, g.v[j]);
     });
-    if (!cx.row_dots_only) pre_g.add(blk, cx.pre, it, g, Direction::transpose, pre_query);
+    if (!cx.row_dots_only()) pre_g.add(blk, cx.pre, it, g, Direction::transpose, pre_query);
+  }
+
+  /// P dP of head j to the item's row-dot sum: in registers (each round's set indexed by a
+  /// constant, so that it stays there), or in the block's shared memory.
+  DCMHA_INLINE void add_row_dot(int j, float y) const {
+    if (cx.row_dot_columns) {
+      DCMHA_UNROLL
+      for (int round = 0; round < kRegisterRowDotRounds; ++round)
+        cx.row_dot_columns[round].v[j][0] += it.round == round ? y : 0.0f;
+      return;
+    }
+    float* sum = cx.row_dot_sums + item_sum(cx.region, it, j);
+    blk.store_shared(sum, blk.load_shared(sum) + y);
   }
 
   /// The key side's P' = Compose_post(P) for dV, in the storage type (0 outside the rows' keys).
@@ -214,7 +247,7 @@ DCMHA_INLINE void chain_item(const Block& blk, const ChainContext<T>& cx, const 
   if constexpr (kKeySide) chain.values_probs(ranges, s);
   if (chain.keeps_sums() && kKeySide) store_sums(blk, cx, it, 1, 0, chain.post_x);
   if (chain.keeps_sums()) store_sums(blk, cx, it, 1, 1, chain.post_g);
-  if (cx.row_dots_only) return;
+  if (cx.row_dots_only()) return;
   chain.score_gradient();
 }
 

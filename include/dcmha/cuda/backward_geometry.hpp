@@ -19,8 +19,9 @@ namespace dcmha::cuda {
 constexpr int kChainRows = 1;
 
 /// The score-shaped arrays of the backward's chain, one set per own head, [row][key]:
-/// L (scores), dP' (dO V^T), P (probabilities), dL' (or, in the query side's first pass,
-/// P * dP for the row dots).
+/// L (scores), dP' (dO V^T), P (probabilities), dL'. In the query side's first pass (the row
+/// dots) the P tiles hold the compose items' sums of P * dP over the key tiles, and at its end
+/// the dL' tiles hold those sums by key column.
 struct ChainTiles {
   ScoreTiles scores, upstream, probs, softmax_grad;
 };

@@ -527,11 +527,20 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   using OperandPair = typename Base::OperandPair;
   /// The warp's Q and dO rows as A fragments (kHoldRows), loaded by the first key tile.
   using HeldQueryRows = typename Base::template HeldPair<kHoldRows ? kHeadDim : 16>;
-  /// The lane's query-wise weights of each side, loaded by the first chain and held through
-  /// both passes (in the second beside dQ's accumulators, without a spill up to head dim 128).
+  /// The lane's query-wise weights of each side, loaded by the chain once a round of items (the
+  /// query side's one-row items take a block's slice in two rounds or more) and used through its
+  /// steps (beside dQ's accumulators in the second pass, without a spill up to head dim 128).
   /// Float's weights, a register each, are read where used: held, they made its query side spill.
   using HeldWeights =
       std::conditional_t<kTensorCoreType<T>, HeldQueryWeights<kChainRows, T>, QueryWeights>;
+  /// Where the row dots' pass keeps a compose lane's sums of P dP (none in the gradients' pass).
+  struct RowDotSums {
+    float* shared = nullptr;                    // [head of item][item]: item_sum
+    ItemValues<kChainRows>* columns = nullptr;  // registers: [kRegisterRowDotRounds]
+  };
+  /// The sums of the lane's items stay in its registers with the storage types' smaller kernels,
+  /// where the block takes its items in kRegisterRowDotRounds rounds or fewer.
+  static constexpr bool kRowDotsInRegisters = kTensorCoreType<T> && kHeadDim <= 128;
 
   /// The row dots, then dQ and the weight gradients; kHeld: MHA on the tensor cores with the
   /// warp's Q and dO rows held in registers.
@@ -543,11 +552,13 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     // Without Compose_post, O = P V per head, so D = rowsum(dO O) (FlashAttention's row dots).
     if (p_.out.data != nullptr && !geo_.terms.post.enabled()) {
       output_row_dots();
-    } else {
+    } else if (kHeld || geo_.registers) {
       for (index_t s0 = first_key_tile<kHeld>(keys, held); s0 < keys.end; s0 += kKeys, stage ^= 1) {
         key_tile(s0, keys, stage);
-        row_dots_step<kHeld>(s0, stage, keys, held, weights);
+        row_dots_step<kHeld>(s0, stage, keys, held);
       }
+    } else if constexpr (!kHeld) {
+      chain_row_dots(keys, held, weights);
     }
     finish_row_dots();
     stage = 0;
@@ -648,10 +659,12 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   }
 
   /// The products into the chain tiles, the key-wise weights, the chain on the block's slice
-  /// (the sides' query-wise weights from pre_query and post_query).
+  /// (the sides' query-wise weights from pre_query and post_query); given where to sum P dP
+  /// (row_dots), the row dots' pass.
   template <class PreQuery, class PostQuery>
   DCMHA_INLINE void chain_step(index_t s0, int stage, const detail::KeyRange& keys,
-                               bool row_dots_only, PreQuery& pre_query, PostQuery& post_query) {
+                               const RowDotSums& row_dots, PreQuery& pre_query,
+                               PostQuery& post_query) {
     Scores s, dp;
     this->pair_products(query_rows(), key_rows(stage), s, dp);
     store_fragments(blk_, s, sh().chain().scores.head(own_), row0_, 0, this->scale());
@@ -664,32 +677,116 @@ class QueryGradKernel : BackwardBlock<T, Block> {
                           detail::KeyRing{});
     blk_.sync_cluster();
     prefetch_values(keys);
-    ChainContext<T> cx =
-        this->chain_context(sh(), {slice_row_begin_, geo_.slice, slice_key_begin_, geo_.slice_keys,
-                                   slice_row_begin_, slice_key_begin_});
-    cx.row_dots_only = row_dots_only;
+    ChainContext<T> cx = this->chain_context(sh(), region());
+    cx.row_dot_sums = row_dots.shared;
+    cx.row_dot_columns = row_dots.columns;
     this->template run_chain<false>(cx, t0_, s0, pre_query, post_query);
     blk_.sync_cluster();
   }
+  /// The block's compose region: its slice of the tile's rows and keys.
+  DCMHA_INLINE ComposeRegion region() const {
+    return {slice_row_begin_, geo_.slice,       slice_key_begin_,
+            geo_.slice_keys,  slice_row_begin_, slice_key_begin_};
+  }
+  /// Whether the row dots' sums stay in registers (kRowDotsInRegisters) for this plan.
+  DCMHA_INLINE bool row_dots_in_registers() const {
+    return kRowDotsInRegisters &&
+           compose_rounds<kChainRows>(blk_, region(), geo_.compose_parts) <= kRegisterRowDotRounds;
+  }
 
-  /// Pass 1: D = sum over keys of P dP per row.
+  /// f(item) for each of the block's compose items (the same in every key tile).
+  template <class F>
+  DCMHA_INLINE void for_each_item(F&& f) const {
+    const int rounds = compose_rounds<kChainRows>(blk_, region(), geo_.compose_parts);
+    for (int round = 0; round < rounds; ++round) {
+      const ComposeItem it =
+          compose_item<kChainRows>(blk_, region(), geo_.M, geo_.compose_parts, round);
+      if (it.valid) f(it);
+    }
+  }
+
+  /// Pass 1 through the chain (Compose_post's P dP, or float): each compose lane adds P dP at its
+  /// items' positions to sums of its own, in registers or in the block's P tiles (unused until
+  /// pass 2; own heads x rows x kKeys floats, the region's positions times M), instead of sending
+  /// it across the cluster to the owners' tiles every key tile for their warps to sum; each sum
+  /// goes to its owner once, at the end.
+  DCMHA_INLINE void chain_row_dots(const detail::KeyRange& keys, HeldQueryRows& held,
+                                   HeldWeights (&weights)[2]) {
+    ItemValues<kChainRows> columns[kRegisterRowDotRounds] = {};
+    const RowDotSums sums = {sh().chain().probs.data, row_dots_in_registers() ? columns : nullptr};
+    if (!sums.columns)
+      for_each_item([&](const ComposeItem& it) {
+        for_item_heads(
+            it, [&](int j) { blk_.store_shared(sums.shared + item_sum(region(), it, j), 0.0f); });
+      });
+    int stage = 0;
+    for (index_t s0 = first_key_tile<false>(keys, held); s0 < keys.end; s0 += kKeys, stage ^= 1) {
+      key_tile(s0, keys, stage);
+      chain_step(s0, stage, keys, sums, weights[0], weights[1]);
+    }
+    if (sums.columns) store_row_dot_columns(columns, sums.shared);
+    gather_row_dots(sums.shared);
+  }
+  /// The sums held in registers into the lane's shared ones (the gather reads those).
+  DCMHA_INLINE void store_row_dot_columns(
+      const ItemValues<kChainRows> (&columns)[kRegisterRowDotRounds], float* sums) const {
+    if constexpr (kRowDotsInRegisters) {
+      DCMHA_UNROLL
+      for (int round = 0; round < kRegisterRowDotRounds; ++round) {
+        const ComposeItem it =
+            compose_item<kChainRows>(blk_, region(), geo_.M, geo_.compose_parts, round);
+        if (it.valid)
+          for_item_heads(it, [&](int j) {
+            blk_.store_shared(sums + item_sum(region(), it, j), columns[round].v[j][0]);
+          });
+      }
+    }
+  }
+
+  /// The row dots' pass's end: each item's sums go to their owners' softmax-gradient tiles (no
+  /// peer reads those after the last key tile's cluster barrier), and each warp adds its rows'
+  /// key columns, a quad's lanes every fourth column from their own, in a fixed order.
+  DCMHA_INLINE void gather_row_dots(const float* sums) {
+    const GroupTiles to = {sh().chain().softmax_grad, geo_.own_heads};
+    for_each_item([&](const ComposeItem& it) {
+      for_item_heads(it, [&](int j) {
+        blk_.store_shared(to.head(blk_, it.head(j)).at(it.row0, it.key),
+                          blk_.load_shared(sums + item_sum(region(), it, j)));
+      });
+    });
+    blk_.sync_cluster();
+    const ScoreTile own = sh().chain().softmax_grad.head(own_);
+    const FragmentPlace f(blk_);
+    DCMHA_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0_ + f.row(2 * h);
+      float sum = 0;
+      DCMHA_UNROLL
+      for (int k = 0; k < kKeys / 4; ++k) sum += blk_.load_shared(own.at(r, 4 * k + f.t));
+      row_dot_[h] = quad_sum(blk_, sum);
+    }
+  }
+
+  /// MHA in fragments: the warp's P and dP' = dO V^T of the key tile, the next tile's V rows
+  /// staged once every warp is done with this one's.
+  template <bool kHeld>
+  DCMHA_INLINE void fragment_probabilities(index_t s0, int stage, const detail::KeyRange& keys,
+                                           const HeldQueryRows& held, Scores& s, Scores& dp) {
+    products<kHeld>(stage, held, s, dp);
+    blk_.sync();
+    prefetch_values(keys);
+    probabilities(s0, s);
+  }
+
+  /// Pass 1 of MHA in fragments: D = sum over keys of P dP per row.
   template <bool kHeld>
   DCMHA_INLINE void row_dots_step(index_t s0, int stage, const detail::KeyRange& keys,
-                                  const HeldQueryRows& held, HeldWeights (&weights)[2]) {
-    Scores s;
-    if (kHeld || geo_.registers) {
-      Scores dp;
-      products<kHeld>(stage, held, s, dp);
-      blk_.sync();
-      prefetch_values(keys);
-      probabilities(s0, s);
-      DCMHA_UNROLL
-      for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
-      for (int i = 0; i < 4; ++i) s.c[j][i] *= dp.c[j][i];
-    } else {
-      chain_step(s0, stage, keys, true, weights[0], weights[1]);
-      load_fragments(blk_, sh().chain().softmax_grad.head(own_), row0_, 0, s);
-    }
+                                  const HeldQueryRows& held) {
+    Scores s, dp;
+    fragment_probabilities<kHeld>(s0, stage, keys, held, s, dp);
+    DCMHA_UNROLL
+    for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
+    for (int i = 0; i < 4; ++i) s.c[j][i] *= dp.c[j][i];
     DCMHA_UNROLL
     for (int h = 0; h < 2; ++h) {
       float sum = 0;
@@ -738,10 +835,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     if (kHeld || geo_.registers) {
       if constexpr (kTensorCoreType<T>) {
         Scores s, dp;
-        products<kHeld>(stage, held, s, dp);
-        blk_.sync();
-        prefetch_values(keys);
-        probabilities(s0, s);
+        fragment_probabilities<kHeld>(s0, stage, keys, held, s, dp);
         DCMHA_UNROLL
         for (int j = 0; j < kKeyTiles; ++j) DCMHA_UNROLL
         for (int i = 0; i < 4; ++i) s.c[j][i] *= dp.c[j][i] - row_dot_[i / 2];
@@ -749,7 +843,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
       }
       return;
     }
-    chain_step(s0, stage, keys, false, weights[0], weights[1]);
+    chain_step(s0, stage, keys, {}, weights[0], weights[1]);
     product_rows_cols(blk_, sh().dscores().head(own_), row0_, sh().k(stage).head(kv_slot_), 0, 0,
                       kKeys, dq_);
     this->accumulate_weight_grads(sh());

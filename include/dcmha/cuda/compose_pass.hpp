@@ -96,6 +96,7 @@ struct ComposeItem {
   // The lane's heads: part + parts j for j < heads. Interleaved, so that at each j the parts
   // read the same cluster block's tiles (its own heads are consecutive) side by side.
   int part = 0, parts = 1, heads = 0;
+  int round = 0;  // of the block's rounds of items
   bool valid = false;
 
   DCMHA_INLINE int head(int j) const { return part + parts * j; }
@@ -137,6 +138,7 @@ DCMHA_INLINE ComposeItem compose_item(const Block& blk, const ComposeRegion& reg
   item.heads = M / parts;
   item.part = part;
   item.parts = parts;
+  item.round = round;
   return item;
 }
 
