@@ -483,7 +483,8 @@ TEST(CudaKernelsEmulated, RowDotsSummedByComposeLanes) {
   // in the lanes' registers where the block takes its items in two rounds (bf16 and fp16, M >= 8),
   // else in the block's shared memory. Compose_post alone (W, query-wise, key-wise, all three)
   // over every cluster of an 8-head group, partial tiles of rows and keys, a window, rows that see
-  // no key, GQA; a group of 4 heads (4 rounds); float MHA without the output (16 rounds).
+  // no key, GQA; a group of 4 heads (4 rounds); float MHA without the output (16 rounds). Every
+  // case's rounds split its keys evenly: each lane keeps its row (ComposeRegion::rows_held).
   ProblemSpec s = tiled_spec();
   s.H = 8, s.Hk = 4, s.G = 1, s.D = s.Dv = 16;
   s.T = 40, s.S = 50;
@@ -496,6 +497,7 @@ TEST(CudaKernelsEmulated, RowDotsSummedByComposeLanes) {
     const dcmha::cuda::ComposeRegion region{0, g.slice, 0, g.slice_keys};
     const int items = dcmha::cuda::compose_items(region, g.compose_parts, 1);
     ASSERT_EQ((items + g.threads() - 1) / g.threads(), rounds) << c.str();
+    ASSERT_EQ(g.slice_keys % rounds, 0) << c.str();
     check_case<T>(c, seed++, dcmha::test::Layout::bhtd, with_output);
   };
   const SideSpec posts[] = {
@@ -745,6 +747,70 @@ TEST(CudaKernelsEmulated, ComposeItemsFitALane) {
               << M << " heads, " << slice_rows << " rows";
         }
     }
+}
+
+/// The block as compose_item sees it.
+struct ComposeLanes {
+  int thread_index = 0, count = 0;
+  int thread() const { return thread_index; }
+  int threads() const { return count; }
+};
+
+/// The region's position and head part of a one-row item of 8 heads, -1 where it is none.
+int position_of(const dcmha::cuda::ComposeItem& it, const dcmha::cuda::ComposeRegion& region,
+                int parts) {
+  const int row = it.row0 - region.row_begin, key = it.key - region.key_begin;
+  const bool inside = row >= 0 && row < region.rows && key >= 0 && key < region.keys;
+  if (!inside || it.part >= parts || it.rows != 1 || it.heads != 8) return -1;
+  return (row * region.keys + key) * parts + it.part;
+}
+
+/// Deals a region's one-row items (8 heads a lane) to `threads` lanes and checks that every
+/// position and head part is one lane's item in one round, at an index of its own below the
+/// region's items; where rows are held, that each lane keeps its row and validity. Returns
+/// whether they were.
+bool check_items_dealt_once(int threads, int parts, const dcmha::cuda::ComposeRegion& region) {
+  const int items = dcmha::cuda::compose_items(region, parts, 1);
+  const int rounds = (items + threads - 1) / threads;
+  const bool held = region.rows_held && rounds > 1 && region.keys % rounds == 0;
+  const std::string plan = "threads " + std::to_string(threads) + ", parts " +
+                           std::to_string(parts) + ", " + std::to_string(region.rows) + " x " +
+                           std::to_string(region.keys) + (region.rows_held ? ", rows held" : "");
+  std::vector<int> seen(items, 0), at_index(items, 0);
+  for (int t = 0; t < threads; ++t) {
+    const ComposeLanes lanes{t, threads};
+    const auto first = dcmha::cuda::compose_item<1>(lanes, region, 8 * parts, parts, 0);
+    for (int round = 0; round < rounds; ++round) {
+      const auto it = dcmha::cuda::compose_item<1>(lanes, region, 8 * parts, parts, round);
+      const std::string where =
+          plan + ", round " + std::to_string(round) + ", thread " + std::to_string(t);
+      EXPECT_EQ(it.rows_held, held || rounds == 1) << where;
+      EXPECT_TRUE(!held || (it.valid == first.valid && it.row0 == first.row0)) << where;
+      if (!it.valid) continue;
+      const int position = position_of(it, region, parts);
+      EXPECT_TRUE(position >= 0 && it.index >= 0 && it.index < items) << where;
+      if (::testing::Test::HasFailure()) return held;
+      ++seen[position];
+      ++at_index[it.index];
+    }
+  }
+  for (int i = 0; i < items; ++i)
+    EXPECT_TRUE(seen[i] == 1 && at_index[i] == 1) << plan << ": item " << i;
+  return held;
+}
+
+TEST(CudaKernelsEmulated, ComposeItemsDealtOnceWithRowsHeld) {
+  // Either order deals every item once; with rows held (one-row items, the keys split evenly
+  // among two rounds or more) each lane keeps its row from round to round.
+  int held_plans = 0;
+  for (int threads : {32, 64, 128, 256})
+    for (int parts : {1, 2, 4, 8})
+      for (int rows : {1, 3, 8, 16})
+        for (int keys : {1, 4, 8, 12, 32})
+          for (bool rows_held : {false, true})
+            held_plans +=
+                check_items_dealt_once(threads, parts, {2, rows, 5, keys, 0, 0, rows_held});
+  EXPECT_GT(held_plans, 50);
 }
 
 TEST(CudaKernelsEmulated, OnePassPlans) {

@@ -41,13 +41,11 @@ struct ChainContext {
 constexpr int kRegisterRowDotRounds = 2;
 
 /// Where an item keeps a sum of its j-th head in an array of the block's shared memory, [j][item]
-/// with the region's items in order: a lane's items are the same in every tile, and consecutive
-/// lanes take consecutive words. The array holds the region's positions times M floats.
+/// with the region's items in the order dealt: a lane's items are the same in every tile, and
+/// consecutive lanes take consecutive words. The array holds the region's positions times M floats.
 DCMHA_INLINE int item_sum(const ComposeRegion& region, const ComposeItem& it, int j) {
   static_assert(kChainRows == 1, "an item's sums are one row's");
-  const int item =
-      ((it.row0 - region.row_begin) * region.keys + it.key - region.key_begin) * it.parts + it.part;
-  return j * compose_items(region, it.parts, kChainRows) + item;
+  return j * compose_items(region, it.parts, kChainRows) + it.index;
 }
 
 /// The item's statistic (lse or D) of head n at its rows, from n's owner.

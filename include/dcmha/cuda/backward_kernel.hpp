@@ -470,8 +470,8 @@ class BackwardBlock {
     for (int round = 0; round < rounds; ++round) {
       const ComposeItem it =
           compose_item<kChainRows>(blk_, cx.region, geo_.M, geo_.compose_parts, round);
-      pre_query.hold(blk_, cx.pre, it, rounds);
-      post_query.hold(blk_, cx.post, it, rounds);
+      pre_query.hold(blk_, cx.pre, it);
+      post_query.hold(blk_, cx.post, it);
       detail::KeyRange ranges[kChainRows];
       DCMHA_UNROLL
       for (int i = 0; i < kChainRows; ++i) {
@@ -527,9 +527,10 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   using OperandPair = typename Base::OperandPair;
   /// The warp's Q and dO rows as A fragments (kHoldRows), loaded by the first key tile.
   using HeldQueryRows = typename Base::template HeldPair<kHoldRows ? kHeadDim : 16>;
-  /// The lane's query-wise weights of each side, loaded by the chain once a round of items (the
-  /// query side's one-row items take a block's slice in two rounds or more) and used through its
-  /// steps (beside dQ's accumulators in the second pass, without a spill up to head dim 128).
+  /// The lane's query-wise weights of each side, loaded by the chain's first item and used
+  /// through its steps (beside dQ's accumulators in the second pass, without a spill up to head
+  /// dim 128): the query side's one-row items, two rounds of them or more a block, keep each
+  /// lane's row (ComposeRegion::rows_held) where the rounds split the keys evenly.
   /// Float's weights, a register each, are read where used: held, they made its query side spill.
   using HeldWeights =
       std::conditional_t<kTensorCoreType<T>, HeldQueryWeights<kChainRows, T>, QueryWeights>;
@@ -685,8 +686,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   }
   /// The block's compose region: its slice of the tile's rows and keys.
   DCMHA_INLINE ComposeRegion region() const {
-    return {slice_row_begin_, geo_.slice,       slice_key_begin_,
-            geo_.slice_keys,  slice_row_begin_, slice_key_begin_};
+    return {slice_row_begin_, geo_.slice, slice_key_begin_, geo_.slice_keys, slice_row_begin_,
+            slice_key_begin_, true};
   }
   /// Whether the row dots' sums stay in registers (kRowDotsInRegisters) for this plan.
   DCMHA_INLINE bool row_dots_in_registers() const {

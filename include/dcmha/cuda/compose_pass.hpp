@@ -97,7 +97,11 @@ struct ComposeItem {
   // read the same cluster block's tiles (its own heads are consecutive) side by side.
   int part = 0, parts = 1, heads = 0;
   int round = 0;  // of the block's rounds of items
+  int index = 0;  // in the block's items, round by round: below compose_items(...)
   bool valid = false;
+  // The lane has the item's rows in every round (one round, or ComposeRegion::rows_held), so
+  // that what it holds of its rows stays valid from round to round and tile to tile.
+  bool rows_held = false;
 
   DCMHA_INLINE int head(int j) const { return part + parts * j; }
 };
@@ -107,12 +111,16 @@ struct ComposeItem {
 /// the key-wise ones from key weight_key_begin.
 struct ComposeRegion {
   int row_begin = 0, rows = 0, key_begin = 0, keys = 0, weight_row_begin = 0, weight_key_begin = 0;
+  // One-row items taken in several rounds go to the lanes row by row where the keys split
+  // evenly among the rounds: each lane keeps its row and takes a share of its keys a round.
+  bool rows_held = false;
 };
 
 /// The region as items of kRows rows x one key x `parts` head parts, spread over the block
 /// round by round: every thread takes part in every round (the parts' shuffles need all lanes of
 /// a warp), holding an invalid item where none is left:
 ///   for (round = 0; round < compose_rounds<kRows>(...); ++round) { it = compose_item<kRows>(...) }
+/// Items are dealt in order (parts, then keys, then rows), or with rows held (rows_held_place).
 DCMHA_INLINE int compose_items(const ComposeRegion& region, int parts, int rows_per_item) {
   return (region.rows + rows_per_item - 1) / rows_per_item * region.keys * parts;
 }
@@ -121,14 +129,52 @@ DCMHA_INLINE int compose_rounds(const Block& blk, const ComposeRegion& region, i
   return (compose_items(region, parts, kRows) + blk.threads() - 1) / blk.threads();
 }
 
+/// The lane's place in a round of rows-held items: its part, its row (kept from round to round),
+/// and a share of the keys, keys / rounds of them, which round r takes from share (r + row) %
+/// rounds, so that a warp's rows, each with a different share, read the score tiles' rows (40
+/// floats apart) in different banks.
+struct ItemPlace {
+  int part = 0, key = 0, group = 0, index = 0;
+  bool valid = false;
+};
+template <class Block>
+DCMHA_INLINE ItemPlace rows_held_place(const Block& blk, const ComposeRegion& region, int parts,
+                                       int rounds, int round) {
+  const int share = region.keys / rounds, per_round = region.rows * share * parts;
+  const int t = blk.thread(), lane_key = t / parts % share;
+  ItemPlace p;
+  p.part = t % parts;
+  p.group = t / (parts * share);
+  p.key = lane_key + share * ((round + p.group) % rounds);
+  p.index = round * per_round + t;
+  p.valid = t < per_round;
+  return p;
+}
+template <class Block>
+DCMHA_INLINE ItemPlace dealt_place(const Block& blk, const ComposeRegion& region, int parts,
+                                   int items, int round) {
+  ItemPlace p;
+  p.index = round * blk.threads() + blk.thread();
+  p.part = p.index % parts;
+  p.key = p.index / parts % region.keys;
+  p.group = p.index / (parts * region.keys);
+  p.valid = p.index < items;
+  return p;
+}
+
 template <int kRows, class Block>
 DCMHA_INLINE ComposeItem compose_item(const Block& blk, const ComposeRegion& region, int M,
                                       int parts, int round) {
   const int items = compose_items(region, parts, kRows);
-  const int i = round * blk.threads() + blk.thread();
+  const int rounds = compose_rounds<kRows>(blk, region, parts);
+  const bool rows_held = kRows == 1 && region.rows_held && rounds > 1 && region.keys % rounds == 0;
+  const ItemPlace place = rows_held ? rows_held_place(blk, region, parts, rounds, round)
+                                    : dealt_place(blk, region, parts, items, round);
+  const int part = place.part, key = place.key, group = place.group;
   ComposeItem item;
-  item.valid = i < items;
-  const int part = i % parts, key = i / parts % region.keys, group = i / (parts * region.keys);
+  item.valid = place.valid;
+  item.index = place.index;
+  item.rows_held = rows_held || rounds == 1;
   const int first = group * kRows;
   item.row0 = region.row_begin + first;
   item.weight_row0 = item.row0 - region.weight_row_begin;
@@ -310,7 +356,7 @@ DCMHA_INLINE void for_each_key_rank(const Block& blk, const SideWeights<W>& w,
 /// projections' (w1 forward, w2 transposed), the outputs' (the other) and the gate.
 struct QueryWeights {
   template <class Block, class W>
-  DCMHA_INLINE void hold(const Block&, const SideWeights<W>&, const ComposeItem&, int) {}
+  DCMHA_INLINE void hold(const Block&, const SideWeights<W>&, const ComposeItem&) {}
   template <class W>
   DCMHA_INLINE static int projection_term(const SideWeights<W>& w, int r, Direction d) {
     return d == Direction::forward ? r : int(w.terms.query_rank) + r;
@@ -343,9 +389,9 @@ struct QueryWeights {
   }
 };
 
-/// The same weights held in registers by a lane whose item stays the same from one key tile to
-/// the next (a block's slice of one round of items), where the registers allow: loaded once, not
-/// at every use. Ranks up to kHeldRanks (DCFormer's 2) are held; higher ones are read where used.
+/// The same weights held in registers by a lane whose rows stay the same from one key tile to
+/// the next (ComposeItem::rows_held), where the registers allow: loaded once, not at every use.
+/// Ranks up to kHeldRanks (DCFormer's 2) are held; higher ones are read where used.
 template <int kRows, class W>
 struct HeldQueryWeights {
   static constexpr int kHeldRanks = 2;
@@ -353,11 +399,10 @@ struct HeldQueryWeights {
   bool held = false;
 
   /// Loads the item's weights at the first compose (they must be staged and synced), or at
-  /// every round where a block's slice takes more than one round of items.
+  /// every round where the lane's rows change from round to round.
   template <class Block>
-  DCMHA_INLINE void hold(const Block& blk, const SideWeights<W>& w, const ComposeItem& it,
-                         int rounds) {
-    if (held && rounds == 1) return;
+  DCMHA_INLINE void hold(const Block& blk, const SideWeights<W>& w, const ComposeItem& it) {
+    if (held && it.rows_held) return;
     held = true;
     if (!it.valid || !w.terms.query_wise) return;
     const QueryWeights from_shared{};

@@ -503,7 +503,7 @@ class ForwardKernel {
     const int rounds = compose_rounds<kItemRows>(blk_, region(), geo_.compose_parts);
     for (int round = 0; round < rounds; ++round) {
       const ComposeItem it = item_of(round);
-      query.hold(blk_, w, it, rounds);
+      query.hold(blk_, w, it);
       Projections<kItemRows> proj;
       proj.zero();
       ItemValues<kItemRows> x;
