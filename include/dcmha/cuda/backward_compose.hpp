@@ -14,6 +14,14 @@
 
 namespace dcmha::cuda {
 
+/// Where the query side's row dots' pass keeps a compose lane's sums of P dP: in the block's
+/// shared memory, [head of item][item] (item_sum), or, where the lane keeps its row in every round
+/// (ComposeItem::rows_held), in its registers: one sum a head over all of its keys.
+struct RowDotSums {
+  float* shared = nullptr;
+  ItemValues<kChainRows>* lane = nullptr;
+};
+
 /// What a chain item reads and writes.
 template <class T>
 struct ChainContext {
@@ -26,19 +34,13 @@ struct ChainContext {
   ChainSums sums;
   ComposeRegion region;
   bool query_axis = true;  // the weight gradients summed along keys (query side) or rows
-  // The query side's first pass (the row dots): P * dP added to each item's sums in the composing
-  // block's shared memory (item_sum), not sent to the owners' tiles; null in every other pass.
-  // With row_dot_columns the sums stay in the lane's registers instead, a set per round.
-  float* row_dot_sums = nullptr;
-  ItemValues<kChainRows>* row_dot_columns = nullptr;  // [kRegisterRowDotRounds]
+  // The query side's first pass (the row dots): P * dP added to the lane's sums, not sent to the
+  // owners' tiles; none in every other pass.
+  RowDotSums row_dots;
 
   DCMHA_INLINE GroupTiles group(const ScoreTiles& t) const { return {t, own_heads}; }
-  DCMHA_INLINE bool row_dots_only() const { return row_dot_sums != nullptr; }
+  DCMHA_INLINE bool row_dots_only() const { return row_dots.shared != nullptr; }
 };
-
-/// The most rounds of items whose row-dot sums a query-side lane keeps in registers: two, the
-/// rounds of DCFormer's groups (M >= 8) there; a round's set is kCachedHeads floats.
-constexpr int kRegisterRowDotRounds = 2;
 
 /// Where an item keeps a sum of its j-th head in an array of the block's shared memory, [j][item]
 /// with the region's items in the order dealt: a lane's items are the same in every tile, and
@@ -186,16 +188,14 @@ struct ChainSteps {
     if (!cx.row_dots_only()) pre_g.add(blk, cx.pre, it, g, Direction::transpose, pre_query);
   }
 
-  /// P dP of head j to the item's row-dot sum: in registers (each round's set indexed by a
-  /// constant, so that it stays there), or in the block's shared memory.
+  /// P dP of head j to the item's row-dot sum: the lane's, in registers, or the item's, in the
+  /// block's shared memory.
   DCMHA_INLINE void add_row_dot(int j, float y) const {
-    if (cx.row_dot_columns) {
-      DCMHA_UNROLL
-      for (int round = 0; round < kRegisterRowDotRounds; ++round)
-        cx.row_dot_columns[round].v[j][0] += it.round == round ? y : 0.0f;
+    if (cx.row_dots.lane) {
+      cx.row_dots.lane->v[j][0] += y;
       return;
     }
-    float* sum = cx.row_dot_sums + item_sum(cx.region, it, j);
+    float* sum = cx.row_dots.shared + item_sum(cx.region, it, j);
     blk.store_shared(sum, blk.load_shared(sum) + y);
   }
 

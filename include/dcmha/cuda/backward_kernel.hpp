@@ -534,13 +534,8 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   /// Float's weights, a register each, are read where used: held, they made its query side spill.
   using HeldWeights =
       std::conditional_t<kTensorCoreType<T>, HeldQueryWeights<kChainRows, T>, QueryWeights>;
-  /// Where the row dots' pass keeps a compose lane's sums of P dP (none in the gradients' pass).
-  struct RowDotSums {
-    float* shared = nullptr;                    // [head of item][item]: item_sum
-    ItemValues<kChainRows>* columns = nullptr;  // registers: [kRegisterRowDotRounds]
-  };
-  /// The sums of the lane's items stay in its registers with the storage types' smaller kernels,
-  /// where the block takes its items in kRegisterRowDotRounds rounds or fewer.
+  /// The lanes' row-dot sums stay in registers with the storage types' smaller kernels, where
+  /// each lane keeps its row (ComposeItem::rows_held).
   static constexpr bool kRowDotsInRegisters = kTensorCoreType<T> && kHeadDim <= 128;
 
   /// The row dots, then dQ and the weight gradients; kHeld: MHA on the tensor cores with the
@@ -679,8 +674,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     blk_.sync_cluster();
     prefetch_values(keys);
     ChainContext<T> cx = this->chain_context(sh(), region());
-    cx.row_dot_sums = row_dots.shared;
-    cx.row_dot_columns = row_dots.columns;
+    cx.row_dots = row_dots;
     this->template run_chain<false>(cx, t0_, s0, pre_query, post_query);
     blk_.sync_cluster();
   }
@@ -692,7 +686,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   /// Whether the row dots' sums stay in registers (kRowDotsInRegisters) for this plan.
   DCMHA_INLINE bool row_dots_in_registers() const {
     return kRowDotsInRegisters &&
-           compose_rounds<kChainRows>(blk_, region(), geo_.compose_parts) <= kRegisterRowDotRounds;
+           compose_item<kChainRows>(blk_, region(), geo_.M, geo_.compose_parts, 0).rows_held;
   }
 
   /// f(item) for each of the block's compose items (the same in every key tile).
@@ -713,9 +707,9 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   /// goes to its owner once, at the end.
   DCMHA_INLINE void chain_row_dots(const detail::KeyRange& keys, HeldQueryRows& held,
                                    HeldWeights (&weights)[2]) {
-    ItemValues<kChainRows> columns[kRegisterRowDotRounds] = {};
-    const RowDotSums sums = {sh().chain().probs.data, row_dots_in_registers() ? columns : nullptr};
-    if (!sums.columns)
+    ItemValues<kChainRows> lane = {};
+    const RowDotSums sums = {sh().chain().probs.data, row_dots_in_registers() ? &lane : nullptr};
+    if (!sums.lane)
       for_each_item([&](const ComposeItem& it) {
         for_item_heads(
             it, [&](int j) { blk_.store_shared(sums.shared + item_sum(region(), it, j), 0.0f); });
@@ -725,22 +719,18 @@ class QueryGradKernel : BackwardBlock<T, Block> {
       key_tile(s0, keys, stage);
       chain_step(s0, stage, keys, sums, weights[0], weights[1]);
     }
-    if (sums.columns) store_row_dot_columns(columns, sums.shared);
+    if (sums.lane) store_lane_row_dots(lane, sums.shared);
     gather_row_dots(sums.shared);
   }
-  /// The sums held in registers into the lane's shared ones (the gather reads those).
-  DCMHA_INLINE void store_row_dot_columns(
-      const ItemValues<kChainRows> (&columns)[kRegisterRowDotRounds], float* sums) const {
+  /// The lane's sums, held in registers, into its items' shared ones (the gather reads those):
+  /// each at its first round's item, zeros at the others'.
+  DCMHA_INLINE void store_lane_row_dots(const ItemValues<kChainRows>& lane, float* sums) const {
     if constexpr (kRowDotsInRegisters) {
-      DCMHA_UNROLL
-      for (int round = 0; round < kRegisterRowDotRounds; ++round) {
-        const ComposeItem it =
-            compose_item<kChainRows>(blk_, region(), geo_.M, geo_.compose_parts, round);
-        if (it.valid)
-          for_item_heads(it, [&](int j) {
-            blk_.store_shared(sums + item_sum(region(), it, j), columns[round].v[j][0]);
-          });
-      }
+      for_each_item([&](const ComposeItem& it) {
+        for_item_heads(it, [&](int j) {
+          blk_.store_shared(sums + item_sum(region(), it, j), it.round == 0 ? lane.v[j][0] : 0.0f);
+        });
+      });
     }
   }
 
