@@ -402,17 +402,24 @@ TEST(CudaKernelsEmulated, TilesAndClusters) {
   check_case<bf16>(dcmha::test::with_launch(s, tiles(32, 4)), seed++);
 }
 
+/// What plan(config, problem) makes of case c's emulated run in storage type T.
+template <class T, class Plan>
+auto plan_of(const Case& c, Plan&& plan) {
+  const dcmha::reference::Problem p = dcmha::test::storage_problem<T>(problem_of(c, 0));
+  EmulatedRun<T> run(c, p, dcmha::test::random_dout(p, 0));
+  return plan(run.cfg, run.tp);
+}
+
 /// The forward plan of case c in storage type T.
 template <class T>
 dcmha::cuda::ForwardLaunch forward_plan(const Case& c) {
-  const dcmha::reference::Problem p = dcmha::test::storage_problem<T>(problem_of(c, 0));
-  EmulatedRun<T> run(c, p, dcmha::test::random_dout(p, 0));
-  TypedProblem<T>& tp = run.tp;
-  return dcmha::cuda::forward_launch(
-      "plan",
-      dcmha::detail::forward_params("plan", run.cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(),
-                                    tp.compose()),
-      c.launch);
+  return plan_of<T>(c, [&](const auto& cfg, TypedProblem<T>& tp) {
+    return dcmha::cuda::forward_launch(
+        "plan",
+        dcmha::detail::forward_params("plan", cfg, tp.q(), tp.k(), tp.v(), tp.out(), tp.lse(),
+                                      tp.compose()),
+        c.launch);
+  });
 }
 
 /// Tiles as given, split_scores as chosen.
@@ -466,15 +473,14 @@ TEST(CudaKernelsEmulated, StatisticsKeptByComposeLanes) {
 /// The backward plan of case c in storage type T, given the forward's output.
 template <class T>
 dcmha::cuda::BackwardLaunch backward_plan(const Case& c) {
-  const dcmha::reference::Problem p = dcmha::test::storage_problem<T>(problem_of(c, 0));
-  EmulatedRun<T> run(c, p, dcmha::test::random_dout(p, 0));
-  TypedProblem<T>& tp = run.tp;
-  return dcmha::cuda::backward_launch(
-      "plan",
-      dcmha::detail::backward_params("plan", run.cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(),
-                                     tp.dq(), tp.dk(), tp.dv(), tp.compose(), tp.dcompose(),
-                                     dcmha::TensorView<const T, 4>(tp.out())),
-      c.launch);
+  return plan_of<T>(c, [&](const auto& cfg, TypedProblem<T>& tp) {
+    return dcmha::cuda::backward_launch(
+        "plan",
+        dcmha::detail::backward_params("plan", cfg, tp.q(), tp.k(), tp.v(), tp.lse(), tp.dout(),
+                                       tp.dq(), tp.dk(), tp.dv(), tp.compose(), tp.dcompose(),
+                                       dcmha::TensorView<const T, 4>(tp.out())),
+        c.launch);
+  });
 }
 
 TEST(CudaKernelsEmulated, RowDotsSummedByComposeLanes) {
