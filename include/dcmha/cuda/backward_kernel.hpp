@@ -20,6 +20,7 @@
 // dV += P'^T dO), the compose weights' gradients.
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../common/mask.hpp"
 #include "../common/softmax_state.hpp"
@@ -59,8 +60,9 @@ DCMHA_INLINE float row_dot_part(const Block& blk, const T* out, const T* dout, i
   return sum;
 }
 
-/// What both sides share: the block's place, its heads, the mask, staging.
-template <class T, class Block>
+/// What both sides share: the block's place, its heads, the mask, staging, the compose weights'
+/// gradients (a lane's sums of kHeadsPerLane heads).
+template <class T, class Block, int kHeadsPerLane = 4>
 class BackwardBlock {
  protected:
   DCMHA_INLINE BackwardBlock(const Block& blk, const detail::BackwardParams<T>& p,
@@ -241,16 +243,16 @@ class BackwardBlock {
   }
 
   /// The compose weights' gradients along the kernel's axis are summed per pair (resident line,
-  /// own head): line a row (query side) or a key (key side) of the block. A warp takes the pairs
-  /// of kHeadsPerLane heads and lines_per_warp() consecutive lines at a time, the rest of its
-  /// lanes per line splitting the tile's other axis, so that a lane reads each projection sum
-  /// once for its heads (the sums are the composer's, alike for every head). The sums sit in
-  /// shared memory between tiles, [pair][side][w1 r, w2 r, dd]; a side's terms of the group's
-  /// heads are the line's elements (LineElements), each owned by one of its lanes, which alone
-  /// zeroes, adds to and stores it (no barrier between the three).
+  /// own head): line a row (query side) or a key (key side) of the block. A warp takes one side's
+  /// pairs of kHeadsPerLane heads (DCFormer's 4 own heads: all of them) and lines_per_warp()
+  /// consecutive lines at a time, the rest of its lanes per line splitting the tile's other axis,
+  /// so that a lane reads each projection sum once for its heads (the sums are the composer's,
+  /// alike for every head, and most cross the cluster); the sides, not head groups, give every
+  /// warp a unit. The sums sit in shared memory between tiles, [pair][side][w1 r, w2 r, dd]; a
+  /// side's terms of the group's heads are the line's elements (LineElements), each owned by one
+  /// of its lanes, which alone zeroes, adds to and stores it (no barrier between the three).
   /// Query side: 4 rows x 8 keys a step, key side: 8 keys x 4 rows, so that each step reads
   /// whole bank rows of the tiles.
-  static constexpr int kHeadsPerLane = 2;
   template <int kHeadDim>
   DCMHA_INLINE float* weight_grads(const BackwardTiles<T, kHeadDim>& sh, int pair, int side) const {
     return at_offset<float>(sh.base, geo_.layout.grads) +
@@ -289,20 +291,24 @@ class BackwardBlock {
       if (LineElements::head(i) < heads) f(LineElements::head(i), LineElements::slot(i, R));
   }
 
-  /// Where this lane works on the weight gradients: f(line, first_head, heads) for each group of
-  /// lines and heads its warp takes (warp-uniform: every lane calls f; line < 0 past the lines),
-  /// heads [first_head, first_head + heads) of the line.
+  /// Where this lane works on the weight gradients: f(line, first_head, heads, side) for each
+  /// unit of lines, heads and side its warp takes (warp-uniform: every lane calls f; line < 0 past
+  /// the lines), heads [first_head, first_head + heads) of the line, a side with terms along the
+  /// axis.
   template <class F>
   DCMHA_INLINE void for_each_line_group(F&& f) const {
     const int lines = lines_per_warp(), lanes = lanes_per_line(), lane = lane_of(blk_);
     const int groups = (geo_.rows + lines - 1) / lines, warps = blk_.threads() / kWarpSize;
     const int head_groups = (geo_.own_heads + kHeadsPerLane - 1) / kHeadsPerLane;
-    for (int unit = warp_of(blk_); unit < groups * head_groups; unit += warps) {
-      const int first_head = unit / groups * kHeadsPerLane;
+    const int per_side = groups * head_groups, first_side = axis_rank(0) > 0 ? 0 : 1;
+    const int sides = (axis_rank(0) > 0) + (axis_rank(1) > 0);
+    for (int unit = warp_of(blk_); unit < per_side * sides; unit += warps) {
+      const int side = first_side + unit / per_side, within = unit % per_side;
+      const int first_head = within / groups * kHeadsPerLane;
       const int heads =
           geo_.own_heads - first_head < kHeadsPerLane ? geo_.own_heads - first_head : kHeadsPerLane;
-      const int line = unit % groups * lines + lane / lanes;
-      f(line < geo_.rows ? line : -1, first_head, heads);
+      const int line = within % groups * lines + lane / lanes;
+      f(line < geo_.rows ? line : -1, first_head, heads, side);
     }
   }
 
@@ -310,12 +316,11 @@ class BackwardBlock {
   template <int kHeadDim>
   DCMHA_INLINE void zero_weight_grads(const BackwardTiles<T, kHeadDim>& sh) const {
     if (pairs() == 0) return;
-    for_each_line_group([&](int line, int first_head, int heads) {
+    for_each_line_group([&](int line, int first_head, int heads, int side) {
       if (line < 0) return;
-      for (int side = 0; side < 2; ++side)
-        for_owned_elements(axis_rank(side), heads, [&](int h, int slot) {
-          blk_.store_shared(weight_grads(sh, pair_of(line, first_head + h), side) + slot, 0.0f);
-        });
+      for_owned_elements(axis_rank(side), heads, [&](int h, int slot) {
+        blk_.store_shared(weight_grads(sh, pair_of(line, first_head + h), side) + slot, 0.0f);
+      });
     });
   }
 
@@ -325,20 +330,19 @@ class BackwardBlock {
   template <int kHeadDim>
   DCMHA_INLINE void accumulate_weight_grads(const BackwardTiles<T, kHeadDim>& sh) const {
     if (pairs() == 0) return;
-    for_each_line_group([&](int line, int first_head, int heads) {
-      DCMHA_UNROLL
-      for (int side = 0; side < 2; ++side) {
-        const int R = axis_rank(side);
-        if (R == 0) continue;
-        const LineSums sums = line_sums(sh, side, line, first_head, heads);
-        blk_.count_fma(index_t(geo_.key_side ? kStreamRows : kKeys) * (1 + 2 * R) * heads /
-                       lanes_per_line());
-        add_line_lanes(sums, R, [&](int h, int slot, float sum) {
+    for_each_line_group([&](int line, int first_head, int heads, int side) {
+      const int R = axis_rank(side);
+      blk_.count_fma(index_t(geo_.key_side ? kStreamRows : kKeys) * (1 + 2 * R) * heads /
+                     lanes_per_line());
+      with_rank(R, [&](auto rank) {
+        constexpr int kRank = decltype(rank)::value;
+        const LineSums sums = line_sums<kRank>(sh, side, line, first_head, heads);
+        add_line_lanes<kRank>(sums, [&](int h, int slot, float sum) {
           if (line < 0 || h >= heads) return;
           float* acc = weight_grads(sh, pair_of(line, first_head + h), side) + slot;
           blk_.store_shared(acc, blk_.load_shared(acc) + sum);
         });
-      }
+      });
     });
   }
 
@@ -346,20 +350,19 @@ class BackwardBlock {
   struct LineSums {
     float at[kHeadsPerLane][2 * kMaxRank + 1];
   };
-  template <int kHeadDim>
+  template <int kRank, int kHeadDim>
   DCMHA_INLINE LineSums line_sums(const BackwardTiles<T, kHeadDim>& sh, int side, int line,
                                   int first_head, int heads) const {
     const bool query_axis = !geo_.key_side;
     const int others = geo_.key_side ? kStreamRows : kKeys;
     const int lanes = lanes_per_line(), first = lane_of(blk_) % lanes;
-    const int R = axis_rank(side);
     const ChainSums projections = sh.sums();
     const ChainTiles chain = sh.chain();
     LineSums sums = {};
     for (int o = first; o < others && line >= 0; o += lanes) {
       const int row = query_axis ? line : o, key = query_axis ? o : line;
       float p1[kMaxRank], p2[kMaxRank];  // the composer's projections, alike for every head
-      composer_projections(projections, side, R, line, o, p1, p2);
+      composer_projections(projections, side, kRank, line, o, p1, p2);
       DCMHA_UNROLL
       for (int h = 0; h < kHeadsPerLane; ++h) {
         if (h >= heads) continue;
@@ -371,8 +374,7 @@ class BackwardBlock {
         float* s = sums.at[h];
         s[2 * kMaxRank] += xv * dyv;
         DCMHA_UNROLL
-        for (int k = 0; k < kMaxRank; ++k) {
-          if (k >= R) continue;
+        for (int k = 0; k < kRank; ++k) {
           s[k] += xv * p1[k];
           s[kMaxRank + k] += dyv * p2[k];
         }
@@ -401,25 +403,27 @@ class BackwardBlock {
           blk_.peer_shared(projections.at(side, 0, k, sum_row, sum_key), composer));
     }
   }
-  /// Adds up the line's lanes' shares of a side of rank R: add(head, slot, sum) at each element
-  /// this lane owns, heads past the group's included (zeros; add skips them). The lane's part is
-  /// unhoisted: kept in a register across the key side's tile loop, it made ptxas spill there
-  /// at head dim 128.
+  /// Calls f(std::integral_constant<int, R>{}) for a side's R (1 to kMaxRank), so that a line's
+  /// sums hold the side's ranks only.
   template <class F>
-  DCMHA_INLINE void add_line_lanes(const LineSums& sums, int R, F&& add) const {
+  DCMHA_INLINE static void with_rank(int R, F&& f) {
     switch (R) {
       case 1:
-        return add_line_lanes<1>(sums, add);
+        return f(std::integral_constant<int, 1>{});
       case 2:
-        return add_line_lanes<2>(sums, add);
+        return f(std::integral_constant<int, 2>{});
       case 3:
-        return add_line_lanes<3>(sums, add);
+        return f(std::integral_constant<int, 3>{});
       default:
-        return add_line_lanes<kMaxRank>(sums, add);
+        return f(std::integral_constant<int, kMaxRank>{});
     }
   }
+  /// Adds up the line's lanes' shares of a side of rank kRank: add(head, slot, sum) at each
+  /// element this lane owns, heads past the group's included (zeros; add skips them). The lane's
+  /// part is unhoisted: kept in a register across the key side's tile loop, it made ptxas spill
+  /// there at head dim 128.
   template <int kRank, class F>
-  DCMHA_INLINE void add_line_lanes(const LineSums& sums, F& add) const {
+  DCMHA_INLINE void add_line_lanes(const LineSums& sums, F&& add) const {
     static_assert(kRank <= kMaxRank, "ranks up to kMaxRank");
     constexpr int kElements = LineElements::count(kRank);
     float v[kElements];
@@ -439,15 +443,14 @@ class BackwardBlock {
   DCMHA_INLINE void store_weight_grads(const BackwardTiles<T, kHeadDim>& sh, index_t first,
                                        int real, index_t length) const {
     if (pairs() == 0) return;
-    for_each_line_group([&](int line, int first_head, int heads) {
+    for_each_line_group([&](int line, int first_head, int heads, int side) {
       if (line < 0 || line >= real) return;
-      for (int side = 0; side < 2; ++side)
-        for_owned_elements(axis_rank(side), heads, [&](int h, int slot) {
-          const int j = first_head + h;
-          const float* acc = weight_grads(sh, pair_of(line, j), side);
-          const T value = T(first + line < length ? blk_.load_shared(acc + slot) : 0.0f);
-          store_weight_grad(side, first + line, j, slot, value);
-        });
+      for_owned_elements(axis_rank(side), heads, [&](int h, int slot) {
+        const int j = first_head + h;
+        const float* acc = weight_grads(sh, pair_of(line, j), side);
+        const T value = T(first + line < length ? blk_.load_shared(acc + slot) : 0.0f);
+        store_weight_grad(side, first + line, j, slot, value);
+      });
     });
   }
   /// One element of own head j's gradients at line `at` of the axis.
@@ -899,9 +902,14 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   Accumulators<kDimTiles> dq_;
 };
 
+/// The heads a key-side lane sums the compose weights' gradients of (BackwardBlock): two at head
+/// dim 128, where dK's and dV's accumulators leave too few registers for four heads' sums.
+template <int kHeadDim>
+constexpr int kKeySideHeadsPerLane = kHeadDim <= 96 ? 4 : 2;
+
 template <class T, int kHeadDim, class Block>
-class KeyGradKernel : BackwardBlock<T, Block> {
-  using Base = BackwardBlock<T, Block>;
+class KeyGradKernel : BackwardBlock<T, Block, kKeySideHeadsPerLane<kHeadDim>> {
+  using Base = BackwardBlock<T, Block, kKeySideHeadsPerLane<kHeadDim>>;
   using Base::blk_, Base::p_, Base::geo_, Base::mask, Base::cluster_block_, Base::own_, Base::row0_,
       Base::kv_slot_, Base::g_, Base::b_, Base::head_;
 
