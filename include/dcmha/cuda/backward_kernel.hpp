@@ -361,8 +361,8 @@ class BackwardBlock {
     LineSums sums = {};
     for (int o = first; o < others && line >= 0; o += lanes) {
       const int row = query_axis ? line : o, key = query_axis ? o : line;
-      float p1[kMaxRank], p2[kMaxRank];  // the composer's projections, alike for every head
-      composer_projections(projections, side, kRank, line, o, p1, p2);
+      float p1[kRank], p2[kRank];  // the composer's projections, alike for every head
+      composer_projections(projections, side, line, o, p1, p2);
       DCMHA_UNROLL
       for (int h = 0; h < kHeadsPerLane; ++h) {
         if (h >= heads) continue;
@@ -384,9 +384,9 @@ class BackwardBlock {
   }
   /// The projections of one side at the line's position o of the tile's other axis, from the
   /// block that composed it: p1 of the upstream gradient (w1's terms), p2 of the input (w2's).
-  DCMHA_INLINE void composer_projections(const ChainSums& projections, int side, int R, int line,
-                                         int o, float (&p1)[kMaxRank],
-                                         float (&p2)[kMaxRank]) const {
+  template <int kRank>
+  DCMHA_INLINE void composer_projections(const ChainSums& projections, int side, int line, int o,
+                                         float (&p1)[kRank], float (&p2)[kRank]) const {
     const bool query_axis = !geo_.key_side;
     const int line_slice = line / geo_.slice, local = line - line_slice * geo_.slice;
     // The query side's rows are composed by key slices of geo_.slice_keys keys.
@@ -395,8 +395,7 @@ class BackwardBlock {
     const int sum_row = query_axis ? local : o;
     const int sum_key = query_axis ? o - key_slice * geo_.slice_keys : local;
     DCMHA_UNROLL
-    for (int k = 0; k < kMaxRank; ++k) {
-      if (k >= R) continue;
+    for (int k = 0; k < kRank; ++k) {
       p1[k] = blk_.load_shared(
           blk_.peer_shared(projections.at(side, 1, k, sum_row, sum_key), composer));
       p2[k] = blk_.load_shared(
