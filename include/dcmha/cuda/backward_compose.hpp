@@ -14,12 +14,14 @@
 
 namespace dcmha::cuda {
 
-/// Where the query side's row dots' pass keeps a compose lane's sums of P dP: in the block's
+/// The query side's row dots' pass as a compose lane sees it. Its sums of P dP: in the block's
 /// shared memory, [head of item][item] (item_sum), or, where the lane keeps its row in every round
-/// (ComposeItem::rows_held), in its registers: one sum a head over all of its keys.
-struct RowDotSums {
-  float* shared = nullptr;
-  ItemValues<kChainRows>* lane = nullptr;
+/// (ComposeItem::rows_held), in its registers, one sum a head over all of its keys; there it also
+/// holds its heads' lse at that row, read once rather than from the owners every key tile.
+struct RowDotPass {
+  float* shared_sums = nullptr;
+  ItemValues<kChainRows>* lane_sums = nullptr;
+  const ItemValues<kChainRows>* lane_lse = nullptr;
 };
 
 /// What a chain item reads and writes.
@@ -36,10 +38,10 @@ struct ChainContext {
   bool query_axis = true;  // the weight gradients summed along keys (query side) or rows
   // The query side's first pass (the row dots): P * dP added to the lane's sums, not sent to the
   // owners' tiles; none in every other pass.
-  RowDotSums row_dots;
+  RowDotPass row_dots;
 
   DCMHA_INLINE GroupTiles group(const ScoreTiles& t) const { return {t, own_heads}; }
-  DCMHA_INLINE bool row_dots_only() const { return row_dots.shared != nullptr; }
+  DCMHA_INLINE bool row_dots_only() const { return row_dots.shared_sums != nullptr; }
 };
 
 /// Where an item keeps a sum of its j-th head in an array of the block's shared memory, [j][item]
@@ -147,7 +149,12 @@ struct ChainSteps {
         float lse[kChainRows];
         if (cx.pre.terms.static_w)
           add_static_term(blk, cx.pre, cx.group(cx.tiles.scores), it, n, x.v[j]);
-        load_statistic(blk, cx, cx.lse, it, n, lse);
+        if (cx.row_dots.lane_lse) {
+          DCMHA_UNROLL
+          for (int i = 0; i < kChainRows; ++i) lse[i] = cx.row_dots.lane_lse->v[j][i];
+        } else {
+          load_statistic(blk, cx, cx.lse, it, n, lse);
+        }
         DCMHA_UNROLL
         for (int i = 0; i < kChainRows; ++i)
           x.v[j][i] =
@@ -191,11 +198,11 @@ struct ChainSteps {
   /// P dP of head j to the item's row-dot sum: the lane's, in registers, or the item's, in the
   /// block's shared memory.
   DCMHA_INLINE void add_row_dot(int j, float y) const {
-    if (cx.row_dots.lane) {
-      cx.row_dots.lane->v[j][0] += y;
+    if (cx.row_dots.lane_sums) {
+      cx.row_dots.lane_sums->v[j][0] += y;
       return;
     }
-    float* sum = cx.row_dots.shared + item_sum(cx.region, it, j);
+    float* sum = cx.row_dots.shared_sums + item_sum(cx.region, it, j);
     blk.store_shared(sum, blk.load_shared(sum) + y);
   }
 

@@ -124,13 +124,17 @@ class BackwardBlock {
       const int j = i / rows, r = i % rows;
       const index_t t = t0 + r, h = own_head(j);
       const bool real = t < qlen;
-      blk_.store_shared(lse + j * stride + r, real ? blk_.load_global(&p_.lse(b_, h, t))
-                                                   : detail::negative_infinity<float>());
+      blk_.store_shared(lse + j * stride + r, row_lse(h, t, qlen));
       if (row_dots)
         blk_.store_shared(
             row_dot + j * stride + r,
             real ? blk_.load_global(row_dots + (b_ * p_.dims.H + h) * p_.dims.T + t) : 0.0f);
     });
+  }
+
+  /// Row t's lse of head h from the forward; -inf past the query length.
+  DCMHA_INLINE float row_lse(index_t h, index_t t, index_t qlen) const {
+    return t < qlen ? blk_.load_global(&p_.lse(b_, h, t)) : detail::negative_infinity<float>();
   }
 
   /// The key side's walk: the first query tile (of geo_.tile_rows() rows) at or after `tile`
@@ -661,7 +665,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   /// (row_dots), the row dots' pass.
   template <class PreQuery, class PostQuery>
   DCMHA_INLINE void chain_step(index_t s0, int stage, const detail::KeyRange& keys,
-                               const RowDotSums& row_dots, PreQuery& pre_query,
+                               const RowDotPass& row_dots, PreQuery& pre_query,
                                PostQuery& post_query) {
     Scores s, dp;
     this->pair_products(query_rows(), key_rows(stage), s, dp);
@@ -709,20 +713,41 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   /// goes to its owner once, at the end.
   DCMHA_INLINE void chain_row_dots(const detail::KeyRange& keys, HeldQueryRows& held,
                                    HeldWeights (&weights)[2]) {
-    ItemValues<kChainRows> lane = {};
-    const RowDotSums sums = {sh().chain().probs.data, row_dots_in_registers() ? &lane : nullptr};
-    if (!sums.lane)
+    ItemValues<kChainRows> lane = {}, lse = {};
+    const bool in_registers = row_dots_in_registers();
+    const RowDotPass pass = {sh().chain().probs.data, in_registers ? &lane : nullptr,
+                             in_registers ? &lse : nullptr};
+    if (in_registers) {
+      hold_lse(lse);
+    } else {
       for_each_item([&](const ComposeItem& it) {
-        for_item_heads(
-            it, [&](int j) { blk_.store_shared(sums.shared + item_sum(region(), it, j), 0.0f); });
+        for_item_heads(it, [&](int j) {
+          blk_.store_shared(pass.shared_sums + item_sum(region(), it, j), 0.0f);
+        });
       });
+    }
     int stage = 0;
     for (index_t s0 = first_key_tile<false>(keys, held); s0 < keys.end; s0 += kKeys, stage ^= 1) {
       key_tile(s0, keys, stage);
-      chain_step(s0, stage, keys, sums, weights[0], weights[1]);
+      chain_step(s0, stage, keys, pass, weights[0], weights[1]);
     }
-    if (sums.lane) store_lane_row_dots(lane, sums.shared);
-    gather_row_dots(sums.shared);
+    if (in_registers) store_lane_row_dots(lane, pass.shared_sums);
+    gather_row_dots(pass.shared_sums);
+  }
+  /// The lse of the lane's heads at its row (kept in every round: row_dots_in_registers), from
+  /// the forward's output: a block's lanes read it once, not from the owners every key tile.
+  DCMHA_INLINE void hold_lse(ItemValues<kChainRows>& lse) const {
+    const ComposeItem it = compose_item<kChainRows>(blk_, region(), geo_.M, geo_.compose_parts, 0);
+    if (!it.valid) return;
+    const index_t qlen = this->query_length();
+    for_item_heads(it, [&](int j) {
+      DCMHA_UNROLL
+      for (int i = 0; i < kChainRows; ++i) {
+        const index_t t = t0_ + it.row0 + i;
+        lse.v[j][i] = i < it.rows ? this->row_lse(g_ * geo_.M + it.head(j), t, qlen)
+                                  : detail::negative_infinity<float>();
+      }
+    });
   }
   /// The lane's sums, held in registers, into its items' shared ones (the gather reads those):
   /// each at its first round's item, zeros at the others'.
