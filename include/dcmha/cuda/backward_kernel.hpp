@@ -272,37 +272,27 @@ class BackwardBlock {
     return int(geo_.key_side ? t.key_rank : t.query_rank);
   }
 
-  static constexpr int kListedRank = 2;  // DCFormer's
-  /// A side's sums of a line's group of heads, summed in passes of L ranks, each a list: element
-  /// i is term i / kHeadsPerLane (w1 r < L, w2 r < L, dd) of head i % kHeadsPerLane, and belongs
-  /// to the line's lane i % lanes_per_line(), the one scatter_sums_over_parts leaves its sum with.
+  /// A side's sums of a line's group of heads as a list: element i is term i / kHeadsPerLane
+  /// (w1 r < R, w2 r < R, dd) of head i % kHeadsPerLane, and belongs to the line's lane
+  /// i % lanes_per_line(), the one scatter_sums_over_parts leaves its sum with.
   struct LineElements {
-    /// DCFormer's R = 2 is summed in one pass of its own (a lane holds 2R + 1 sums a head), any
-    /// other rank in R passes of rank 1 (x and dy read again in each), so that a kernel compiles
-    /// two lists, not one per rank. No pass where the side has no terms along the axis (R = 0).
-    static DCMHA_INLINE constexpr int listed_rank(int R) { return R == kListedRank ? R : 1; }
-    static DCMHA_INLINE constexpr int passes(int R) { return R / listed_rank(R); }
-    static DCMHA_INLINE constexpr int count(int L) { return kHeadsPerLane * (2 * L + 1); }
+    /// None where the side has no terms along the axis (R = 0).
+    static DCMHA_INLINE constexpr int count(int R) {
+      return R > 0 ? kHeadsPerLane * (2 * R + 1) : 0;
+    }
     static DCMHA_INLINE constexpr int head(int i) { return i % kHeadsPerLane; }
-    /// The element's place in a pair's [w1 r, w2 r, dd] in a pass (ranks [pass L, pass L + L)),
-    /// -1 for dd past the first pass, which summed it.
-    static DCMHA_INLINE constexpr int slot(int i, int L, int pass) {
-      const int term = i / kHeadsPerLane, first = pass * L;
-      return term < L       ? first + term
-             : term < 2 * L ? kMaxRank + first + term - L
-             : pass == 0    ? 2 * kMaxRank
-                            : -1;
+    /// The element's place in a pair's [w1 r, w2 r, dd].
+    static DCMHA_INLINE constexpr int slot(int i, int R) {
+      const int term = i / kHeadsPerLane;
+      return term < R ? term : term < 2 * R ? kMaxRank + term - R : 2 * kMaxRank;
     }
   };
   /// Calls f(head, slot) for the elements of a side of rank R this lane owns, of `heads` heads.
   template <class F>
   DCMHA_INLINE void for_owned_elements(int R, int heads, F&& f) const {
-    const int lanes = lanes_per_line(), listed = LineElements::listed_rank(R);
-    for (int pass = 0; pass < LineElements::passes(R); ++pass)
-      for (int i = unhoisted_lane_of(blk_) % lanes; i < LineElements::count(listed); i += lanes) {
-        const int slot = LineElements::slot(i, listed, pass);
-        if (LineElements::head(i) < heads && slot >= 0) f(LineElements::head(i), slot);
-      }
+    const int lanes = lanes_per_line();
+    for (int i = unhoisted_lane_of(blk_) % lanes; i < LineElements::count(R); i += lanes)
+      if (LineElements::head(i) < heads) f(LineElements::head(i), LineElements::slot(i, R));
   }
 
   /// Where this lane works on the weight gradients: f(line, first_head, heads, side) for each
@@ -348,31 +338,25 @@ class BackwardBlock {
       const int R = axis_rank(side);
       blk_.count_fma(index_t(geo_.key_side ? kStreamRows : kKeys) * (1 + 2 * R) * heads /
                      lanes_per_line());
-      with_listed_rank(R, [&](auto listed) {
-        constexpr int kListed = decltype(listed)::value;
-        // One pass, known at compile time, for kListedRank.
-        const int passes = kListed == kListedRank ? 1 : LineElements::passes(R);
-        for (int pass = 0; pass < passes; ++pass) {
-          const LineSums sums =
-              line_sums<kListed>(sh, side, pass * kListed, line, first_head, heads);
-          add_line_lanes<kListed>(sums, pass, [&](int h, int slot, float sum) {
-            if (line < 0 || h >= heads) return;
-            float* acc = weight_grads(sh, pair_of(line, first_head + h), side) + slot;
-            blk_.store_shared(acc, blk_.load_shared(acc) + sum);
-          });
-        }
+      with_rank(R, [&](auto rank) {
+        constexpr int kRank = decltype(rank)::value;
+        const LineSums sums = line_sums<kRank>(sh, side, line, first_head, heads);
+        add_line_lanes<kRank>(sums, [&](int h, int slot, float sum) {
+          if (line < 0 || h >= heads) return;
+          float* acc = weight_grads(sh, pair_of(line, first_head + h), side) + slot;
+          blk_.store_shared(acc, blk_.load_shared(acc) + sum);
+        });
       });
     });
   }
 
-  /// One side's terms of a line's heads in this tile, [head][w1 r, w2 r, dd] for the pass's
-  /// ranks from its first (r = 0 here): this lane's share.
+  /// One side's terms of a line's heads in this tile, [head][w1 r, w2 r, dd]: this lane's share.
   struct LineSums {
     float at[kHeadsPerLane][2 * kMaxRank + 1];
   };
   template <int kRank, int kHeadDim>
-  DCMHA_INLINE LineSums line_sums(const BackwardTiles<T, kHeadDim>& sh, int side, int first_rank,
-                                  int line, int first_head, int heads) const {
+  DCMHA_INLINE LineSums line_sums(const BackwardTiles<T, kHeadDim>& sh, int side, int line,
+                                  int first_head, int heads) const {
     const bool query_axis = !geo_.key_side;
     const int others = geo_.key_side ? kStreamRows : kKeys;
     const int lanes = lanes_per_line(), first = lane_of(blk_) % lanes;
@@ -382,7 +366,7 @@ class BackwardBlock {
     for (int o = first; o < others && line >= 0; o += lanes) {
       const int row = query_axis ? line : o, key = query_axis ? o : line;
       float p1[kRank], p2[kRank];  // the composer's projections, alike for every head
-      composer_projections(projections, side, first_rank, line, o, p1, p2);
+      composer_projections(projections, side, line, o, p1, p2);
       DCMHA_UNROLL
       for (int h = 0; h < kHeadsPerLane; ++h) {
         if (h >= heads) continue;
@@ -402,13 +386,11 @@ class BackwardBlock {
     }
     return sums;
   }
-  /// The projections of one side, ranks [first_rank, first_rank + kRank), at the line's position
-  /// o of the tile's other axis, from the block that composed it: p1 of the upstream gradient
-  /// (w1's terms), p2 of the input (w2's).
+  /// The projections of one side at the line's position o of the tile's other axis, from the
+  /// block that composed it: p1 of the upstream gradient (w1's terms), p2 of the input (w2's).
   template <int kRank>
-  DCMHA_INLINE void composer_projections(const ChainSums& projections, int side, int first_rank,
-                                         int line, int o, float (&p1)[kRank],
-                                         float (&p2)[kRank]) const {
+  DCMHA_INLINE void composer_projections(const ChainSums& projections, int side, int line, int o,
+                                         float (&p1)[kRank], float (&p2)[kRank]) const {
     const bool query_axis = !geo_.key_side;
     const int line_slice = line / geo_.slice, local = line - line_slice * geo_.slice;
     // The query side's rows are composed by key slices of geo_.slice_keys keys.
@@ -418,40 +400,43 @@ class BackwardBlock {
     const int sum_key = query_axis ? o - key_slice * geo_.slice_keys : local;
     DCMHA_UNROLL
     for (int k = 0; k < kRank; ++k) {
-      const int r = first_rank + k;
       p1[k] = blk_.load_shared(
-          blk_.peer_shared(projections.at(side, 1, r, sum_row, sum_key), composer));
+          blk_.peer_shared(projections.at(side, 1, k, sum_row, sum_key), composer));
       p2[k] = blk_.load_shared(
-          blk_.peer_shared(projections.at(side, 0, r, sum_row, sum_key), composer));
+          blk_.peer_shared(projections.at(side, 0, k, sum_row, sum_key), composer));
     }
   }
-  /// Calls f(std::integral_constant<int, L>{}) with the ranks L a pass of a side of rank R (1 to
-  /// kMaxRank) sums (LineElements::listed_rank).
+  /// Calls f(std::integral_constant<int, R>{}) for a side's R (1 to kMaxRank), so that a line's
+  /// sums hold the side's ranks only.
   template <class F>
-  DCMHA_INLINE static void with_listed_rank(int R, F&& f) {
-    if (LineElements::listed_rank(R) == kListedRank)
-      return f(std::integral_constant<int, kListedRank>{});
-    f(std::integral_constant<int, 1>{});
+  DCMHA_INLINE static void with_rank(int R, F&& f) {
+    switch (R) {
+      case 1:
+        return f(std::integral_constant<int, 1>{});
+      case 2:
+        return f(std::integral_constant<int, 2>{});
+      case 3:
+        return f(std::integral_constant<int, 3>{});
+      default:
+        return f(std::integral_constant<int, kMaxRank>{});
+    }
   }
-  /// Adds up the line's lanes' shares of a pass of kRank ranks: add(head, slot, sum) at each
-  /// element this lane owns, heads past the group's included (zeros; add skips them), dd past
-  /// the first pass not. The lane's
+  /// Adds up the line's lanes' shares of a side of rank kRank: add(head, slot, sum) at each
+  /// element this lane owns, heads past the group's included (zeros; add skips them). The lane's
   /// part is unhoisted: kept in a register across the key side's tile loop, it made ptxas spill
   /// there at head dim 128.
   template <int kRank, class F>
-  DCMHA_INLINE void add_line_lanes(const LineSums& sums, int pass, F&& add) const {
+  DCMHA_INLINE void add_line_lanes(const LineSums& sums, F&& add) const {
     static_assert(kRank <= kMaxRank, "ranks up to kMaxRank");
     constexpr int kElements = LineElements::count(kRank);
     float v[kElements];
     DCMHA_UNROLL
     for (int i = 0; i < kElements; ++i)
-      v[i] = sums.at[LineElements::head(i)][LineElements::slot(i, kRank, 0)];
+      v[i] = sums.at[LineElements::head(i)][LineElements::slot(i, kRank)];
     const int lanes = lanes_per_line(), part = unhoisted_lane_of(blk_) % lanes;
     scatter_sums_over_parts(blk_, v, lanes, [&](int k, float sum) {
       const int i = k * lanes + part;
-      if (i >= kElements) return;
-      const int slot = LineElements::slot(i, kRank, pass);
-      if (slot >= 0) add(LineElements::head(i), slot, sum);
+      if (i < kElements) add(LineElements::head(i), LineElements::slot(i, kRank), sum);
     });
   }
 
