@@ -64,7 +64,6 @@ class ForwardKernel {
     tile_ = int(blk.block(0) / geo.cluster);
     g_ = blk.block(1);
     b_ = blk.block(2) % p.dims.B;
-    split_index_ = int(blk.block(2) / p.dims.B);
     t0_ = index_t(tile_) * geo.rows;
     rows_real_ = p.dims.T - t0_ < geo.rows ? int(p.dims.T - t0_) : geo.rows;
     const int w = warp_of(blk);
@@ -72,7 +71,7 @@ class ForwardKernel {
     row0_ = w % (geo.rows / kWarpRows) * kWarpRows;
     head_ = g_ * geo.M + cluster_block_ * geo.own_heads + own_;
     const index_t heads_per_kv = p.dims.H / p.dims.Hk;
-    kv_first_ = (g_ * geo.M + cluster_block_ * geo.own_heads) / heads_per_kv;
+    kv_first_ = int((g_ * geo.M + cluster_block_ * geo.own_heads) / heads_per_kv);
     kv_slot_ = int(head_ / heads_per_kv - kv_first_);
     slice_row_begin_ = cluster_block_ / geo.key_slices * geo.slice_rows;
     slice_key_begin_ = cluster_block_ % geo.key_slices * geo.slice_keys;
@@ -90,22 +89,26 @@ class ForwardKernel {
         kept_values_pass(keys);
         store_split_output();
       }
-    } else if (geo_.phase == ForwardPhase::split_values) {
-      load_split_lse();
-      values_pass(keys);
-      store_split_output();
-    } else if (geo_.phase == ForwardPhase::split_statistics) {
-      statistics_pass(keys);
-      store_split_statistics();
-    } else if (kComposes && geo_.mode == ForwardMode::two_pass) {
-      statistics_pass(keys);
-      finish_statistics();
-      values_pass(keys);
-      store_output(false);
     } else {
-      online_pass(keys);
-      finish_statistics();
-      store_output(true);
+      // Each pass has one call site, so that the kernel inlines its code once (the compose code
+      // of a pass is most of the kernel's PTX, and ptxas's time grows with it).
+      if (geo_.phase == ForwardPhase::split_values) {
+        load_split_lse();
+      } else if (!online()) {
+        statistics_pass(keys);
+        if (geo_.phase == ForwardPhase::split_statistics) {
+          store_split_statistics();
+          return;
+        }
+        finish_statistics();
+      }
+      values_pass(keys);
+      if (geo_.phase == ForwardPhase::split_values) {
+        store_split_output();
+      } else {
+        if (online()) finish_statistics();
+        store_output(online());
+      }
     }
     // No peer touches this block's shared memory after the last compose's cluster barrier: the
     // block may leave.
@@ -139,6 +142,8 @@ class ForwardKernel {
 
   DCMHA_INLINE index_t query_length() const { return mask_.query_length(b_); }
   DCMHA_INLINE index_t key_length() const { return mask_.key_length(b_); }
+  /// The block's key split, read again where used rather than held across the passes.
+  DCMHA_INLINE int split_index() const { return int(blk_.block(2) / p_.dims.B); }
 
   /// The keys the block's rows see, and of those its split's share (whole key tiles).
   DCMHA_INLINE detail::KeyRange block_keys() const {
@@ -146,7 +151,7 @@ class ForwardKernel {
     if (split_.count == 1) return all;
     const index_t tiles = (all.size() + kKeys - 1) / kKeys;
     const index_t per_split = (tiles + split_.count - 1) / split_.count;
-    const index_t begin = all.begin + split_index_ * per_split * kKeys;
+    const index_t begin = all.begin + split_index() * per_split * kKeys;
     const index_t end = begin + per_split * kKeys < all.end ? begin + per_split * kKeys : all.end;
     return begin < end ? detail::KeyRange{begin, end} : detail::KeyRange{0, 0};
   }
@@ -373,20 +378,10 @@ class ForwardKernel {
     blk_.count_exp(2 * kKeys);
   }
 
-  /// registers / one_pass: the online softmax with the outputs rescaled as the maxima rise.
-  DCMHA_INLINE void online_pass(const detail::KeyRange& keys) {
-    int stage = 0;
-    for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
-      key_tile(s0, keys, stage, true);
-      Scores s[kRowTiles];
-      float factor[kRowTiles][2];
-      softmax_step(s0, stage, s, factor);
-      DCMHA_UNROLL
-      for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
-      for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
-      for (int i = 0; i < 4; ++i) out_[m].c[j][i] *= factor[m][i / 2];
-      accumulate_values(s);
-    }
+  /// Whether the launch runs the one pass (registers / one_pass modes): the online softmax with
+  /// the outputs rescaled as the maxima rise.
+  DCMHA_INLINE bool online() const {
+    return geo_.phase == ForwardPhase::whole && !(kComposes && geo_.mode == ForwardMode::two_pass);
   }
 
   /// O += P V with P the warp's own fragments (after wait_values()).
@@ -408,8 +403,9 @@ class ForwardKernel {
     }
   }
 
-  /// Pass 2: exact probabilities from the lse; with Compose_post, through the block's slice and
-  /// each head's owner, else in the warp's fragments; O += P' V.
+  /// Pass 2: exact probabilities from the lse (or the one pass's online softmax, online()); with
+  /// Compose_post, through the block's slice and each head's owner, else in the warp's fragments;
+  /// O += P' V.
   DCMHA_INLINE void values_pass(const detail::KeyRange& keys) {
     int stage = 0;
     for (index_t s0 = first_key_tile(keys); s0 < keys.end; s0 += kKeys, stage ^= 1) {
@@ -423,8 +419,18 @@ class ForwardKernel {
       }
       Scores s[kRowTiles];
       composed_fragments(s0, stage, s);
-      DCMHA_UNROLL
-      for (int m = 0; m < kRowTiles; ++m) probabilities_of_fragments(m, s[m]);
+      if (online()) {
+        float factor[kRowTiles][2];
+        DCMHA_UNROLL
+        for (int m = 0; m < kRowTiles; ++m) online_softmax(blk_, s[m], state_[m], factor[m]);
+        DCMHA_UNROLL
+        for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
+        for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
+        for (int i = 0; i < 4; ++i) out_[m].c[j][i] *= factor[m][i / 2];
+      } else {
+        DCMHA_UNROLL
+        for (int m = 0; m < kRowTiles; ++m) probabilities_of_fragments(m, s[m]);
+      }
       accumulate_values(s);
     }
   }
@@ -688,7 +694,7 @@ class ForwardKernel {
     for (int h = 0; h < 2; ++h) {
       const int r = row0_ + 16 * m + f.row(2 * h);
       if (f.t != 0 || r >= rows_real_) continue;
-      float* stats = split_.stats + 2 * (split_index_ * rows_total() + row_index(r));
+      float* stats = split_.stats + 2 * (split_index() * rows_total() + row_index(r));
       blk_.store_global(stats, state_[m][h].max);
       blk_.store_global(stats + 1, state_[m][h].sum);
     }
@@ -715,7 +721,7 @@ class ForwardKernel {
     for (int i = 0; i < 4; i += 2) {
       const int r = row0_ + 16 * m + f.row(i), e = 8 * j + f.column(i);
       if (r >= rows_real_ || e >= geo_.Dv) continue;
-      float* at = split_.out + (split_index_ * rows_total() + row_index(r)) * p_.dims.Dv + e;
+      float* at = split_.out + (split_index() * rows_total() + row_index(r)) * p_.dims.Dv + e;
       store_column_pair(blk_, at, out_[m].c[j][i], out_[m].c[j][i + 1], e + 1 < geo_.Dv);
     }
   }
@@ -729,8 +735,8 @@ class ForwardKernel {
   detail::RowMask mask_;
   int cluster_block_ = 0, tile_ = 0, own_ = 0, row0_ = 0, kv_slot_ = 0, slice_row_begin_ = 0,
       slice_key_begin_ = 0, rows_real_ = 0;
-  int split_index_ = 0;
-  index_t g_ = 0, b_ = 0, t0_ = 0, head_ = 0, kv_first_ = 0;
+  int kv_first_ = 0;  // a head index fits 32 bits: a register less
+  index_t g_ = 0, b_ = 0, t0_ = 0, head_ = 0;
   FragmentRows rows_[kRowTiles];
   detail::SoftmaxState<float> state_[kRowTiles][2];
   Values out_[kRowTiles];
