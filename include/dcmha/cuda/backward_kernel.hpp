@@ -543,10 +543,12 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   /// The lanes' row-dot sums stay in registers with the storage types' smaller kernels, where
   /// each lane keeps its row (ComposeItem::rows_held).
   static constexpr bool kRowDotsInRegisters = kTensorCoreType<T> && kHeadDim <= 128;
-  /// Whether passes<kHeld> compiles MHA's fragment path: where the rows can be held, run() takes
-  /// passes<true> for it, and passes<false> runs the compose chain only.
+  /// Whether passes<kHeld> runs MHA's fragment path: where the rows can be held, run() takes
+  /// passes<true> for the registers mode, so passes<false> compiles the compose chain only.
   template <bool kHeld>
-  static constexpr bool kFragments = kHeld || !kHoldRows;
+  DCMHA_INLINE bool fragment_path() const {
+    return kHeld || (!kHoldRows && geo_.registers);
+  }
 
   /// The row dots, then dQ and the weight gradients; kHeld: MHA on the tensor cores with the
   /// warp's Q and dO rows held in registers.
@@ -558,7 +560,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
     // Without Compose_post, O = P V per head, so D = rowsum(dO O) (FlashAttention's row dots).
     if (p_.out.data != nullptr && !geo_.terms.post.enabled()) {
       output_row_dots();
-    } else if (kFragments<kHeld> && (kHeld || geo_.registers)) {
+    } else if (fragment_path<kHeld>()) {
       for (index_t s0 = first_key_tile<kHeld>(keys, held); s0 < keys.end; s0 += kKeys, stage ^= 1) {
         key_tile(s0, keys, stage);
         row_dots_step<kHeld>(s0, stage, keys, held);
@@ -854,7 +856,7 @@ class QueryGradKernel : BackwardBlock<T, Block> {
   template <bool kHeld>
   DCMHA_INLINE void gradients_step(index_t s0, int stage, const detail::KeyRange& keys,
                                    const HeldQueryRows& held, HeldWeights (&weights)[2]) {
-    if (kFragments<kHeld> && (kHeld || geo_.registers)) {
+    if (fragment_path<kHeld>()) {
       if constexpr (kTensorCoreType<T>) {
         Scores s, dp;
         fragment_probabilities<kHeld>(s0, stage, keys, held, s, dp);

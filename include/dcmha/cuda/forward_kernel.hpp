@@ -303,12 +303,9 @@ class ForwardKernel {
       mask_fragments(blk_, rows_[m], s0, s[m], detail::negative_infinity<float>());
   }
 
-  /// The online softmax's step over the tile at s0: s = exp(composed score - running maximum) of
+  /// The online softmax's step over a tile's composed fragments: s = exp(s - running maximum) of
   /// each row tile; earlier terms of row tile m's rows are to be multiplied by factor[m].
-  template <class Held = NothingHeld>
-  DCMHA_INLINE void softmax_step(index_t s0, int stage, Scores (&s)[kRowTiles],
-                                 float (&factor)[kRowTiles][2], Held&& held = {}) {
-    composed_fragments(s0, stage, s, held);
+  DCMHA_INLINE void softmax_step(Scores (&s)[kRowTiles], float (&factor)[kRowTiles][2]) {
     DCMHA_UNROLL
     for (int m = 0; m < kRowTiles; ++m) online_softmax(blk_, s[m], state_[m], factor[m]);
   }
@@ -333,7 +330,8 @@ class ForwardKernel {
       }
       Scores s[kRowTiles];
       float factor[kRowTiles][2];
-      softmax_step(s0, stage, s, factor, held);
+      composed_fragments(s0, stage, s, held);
+      softmax_step(s, factor);
       if (keeps_scores()) move_kept_scores(s0, composed_tiles(), true);
     }
     if constexpr (kColumnStatistics)
@@ -421,8 +419,7 @@ class ForwardKernel {
       composed_fragments(s0, stage, s);
       if (online()) {
         float factor[kRowTiles][2];
-        DCMHA_UNROLL
-        for (int m = 0; m < kRowTiles; ++m) online_softmax(blk_, s[m], state_[m], factor[m]);
+        softmax_step(s, factor);
         DCMHA_UNROLL
         for (int m = 0; m < kRowTiles; ++m) DCMHA_UNROLL
         for (int j = 0; j < kValueTiles; ++j) DCMHA_UNROLL
