@@ -23,7 +23,7 @@
 namespace {
 
 using dcmha::bf16;
-using dcmha::half;
+using half = dcmha::test::EmulatedHalf;  // bf16 in a sanitized build
 using dcmha::index_t;
 using dcmha::cuda::LaunchOptions;
 using dcmha::test::problem_of;
