@@ -284,6 +284,26 @@ TEST(CudaEmulator, DivergentCollectivesAndDeadlocksAreErrors) {
             std::string::npos);
 }
 
+TEST(CudaEmulator, ClustersOfUpToSixteenBlocks) {
+  // 16 blocks, the largest cluster a device allows, each block's rank kept whole by the race
+  // detector: blocks 15 and 7 (apart in the fourth bit only) ordered by their block barriers
+  // alone are not ordered, and block 7 reading what block 15 wrote is a race. (Block 7 reaches
+  // its barrier first; block 15 writes before block 7 goes on.)
+  const auto peer_read = [](const HostBlock& blk) {
+    auto* s = static_cast<float*>(blk.shared());
+    if (blk.cluster_rank() == 15 && blk.thread() == 0) blk.store_shared(&s[0], 1.0f);
+    blk.sync();
+    if (blk.cluster_rank() == 7 && blk.thread() == 0)
+      (void)blk.load_shared(blk.peer_shared(&s[0], 15));
+    blk.sync_cluster();
+  };
+  EXPECT_NE(failure_of(32, peer_read, 16).find("read after another thread's write"),
+            std::string::npos);
+  const auto nothing = [](const HostBlock&) {};
+  EXPECT_NE(failure_of(32, nothing, 17).find("cluster 17"), std::string::npos);
+  EXPECT_NE(failure_of(0, nothing).find("threads 0"), std::string::npos);
+}
+
 TEST(CudaEmulator, ADisabledSyncSiteIsSkipped) {
   auto body = [](const HostBlock& blk) {
     auto* s = static_cast<float*>(blk.shared());

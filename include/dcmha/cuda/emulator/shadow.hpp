@@ -8,6 +8,7 @@
 // then is an error too (and reads see NaN, which the copy put there).
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -38,32 +39,49 @@ struct Accessor {
   std::uint32_t block_generation = 0, cluster_generation = 0, warp_generation = 0;
 };
 
-/// An access as recorded: who, at which generations, from where.
+/// An access as recorded: who, at which generations, from where. 32 bytes, so that a cell (the
+/// last write and the reads since) fills one 64-byte cache line: the detector runs on every
+/// shared-memory access the emulated kernels make, and its cells are most of its time.
 struct AccessRecord {
   static constexpr int kNone = -1, kMany = -2;
   std::int32_t thread = kNone;
-  std::int16_t warp = kNone, block = kNone;
+  std::int16_t warp = kNone;
+  std::int8_t block = kNone;  // cluster rank: at most 16 blocks
+  bool pending = false;       // a write: an asynchronous copy's destination, until its wait
   std::uint32_t block_generation = 0, cluster_generation = 0, warp_generation = 0;
-  Site site;
+  std::int32_t line = 0;
+  const char* file = "?";
 
   bool empty() const { return thread == kNone; }
+  Site site() const { return {file, line}; }
+  /// The same accessor at the same generations (and the same pending state): the first 20
+  /// bytes, compared as whole words (field by field, the compiler merged fields into words that
+  /// the stores of a copy had written in halves, and the loads waited on them).
   bool same(const AccessRecord& o) const {
-    return thread == o.thread && warp == o.warp && block == o.block &&
-           block_generation == o.block_generation && cluster_generation == o.cluster_generation &&
-           warp_generation == o.warp_generation;
+    return word(0) == o.word(0) && word(8) == o.word(8) && warp_generation == o.warp_generation;
   }
   static AccessRecord of(const Accessor& a, Site site) {
     AccessRecord r;
     r.thread = a.thread;
     r.warp = static_cast<std::int16_t>(a.warp);
-    r.block = static_cast<std::int16_t>(a.block);
+    r.block = static_cast<std::int8_t>(a.block);
     r.block_generation = a.block_generation;
     r.cluster_generation = a.cluster_generation;
     r.warp_generation = a.warp_generation;
-    r.site = site;
+    r.line = site.line;
+    r.file = site.file;
     return r;
   }
+
+ private:
+  std::uint64_t word(std::size_t offset) const {
+    std::uint64_t w;
+    std::memcpy(&w, reinterpret_cast<const unsigned char*>(this) + offset, sizeof w);
+    return w;
+  }
 };
+static_assert(sizeof(AccessRecord) == 32 && offsetof(AccessRecord, warp_generation) == 16,
+              "same() compares the identity as two words and the warp generation");
 
 /// The generations now, for the accessor's comparisons.
 struct Generations {
@@ -86,9 +104,9 @@ inline bool ordered_before(const AccessRecord& r, const Accessor& a, const Gener
   return false;
 }
 
-struct ShadowCell {
+/// The records of 2 bytes: 64, a cache line.
+struct alignas(64) ShadowCell {
   AccessRecord write, reads;
-  int pending_copy = -1;  // thread whose asynchronous copy lands here, or -1
 };
 
 /// What one race looked like.
@@ -102,33 +120,31 @@ class Shadow {
   void reset(std::size_t bytes) { cells_.assign((bytes + 1) / 2, ShadowCell{}); }
 
   /// Checks a read of bytes [offset, offset + n) by `a`, then records it. Neighbouring cells
-  /// mostly hold the same records (a row written by one thread, read by one): those are decided
-  /// once.
+  /// mostly hold the same records (a row written by one thread, read by one): a cell whose
+  /// records were the last decided cell's takes that cell's outcome.
   void read(std::size_t offset, std::size_t n, const Accessor& a, Site site,
             const Generations& now) {
     const AccessRecord me = AccessRecord::of(a, site);
-    bool decided = false;  // the last cell's records, before and after: the same records repeat
-    AccessRecord last_write, last_reads, last_result;
+    const ShadowCell* decided = nullptr;  // its write, and its reads before this access:
+    AccessRecord decided_reads;           // the same records repeat
     for (std::size_t c = offset / 2; c < (offset + n + 1) / 2 && c < cells_.size(); ++c) {
       ShadowCell& cell = cells_[c];
-      if (cell.pending_copy >= 0) {
+      if (cell.write.pending) {
         report("read of an asynchronous copy's destination before its wait", c, a, site,
-               cell.write.site);
-        decided = false;
+               cell.write.site());
+        decided = nullptr;
         continue;
       }
-      if (decided && last_write.same(cell.write) && last_reads.same(cell.reads)) {
-        cell.reads = last_result;
+      if (decided != nullptr && decided->write.same(cell.write) && decided_reads.same(cell.reads)) {
+        cell.reads = decided->reads;
         continue;
       }
-      last_write = cell.write;
-      last_reads = cell.reads;
       if (cell.write.thread != a.thread && !ordered_before(cell.write, a, now))
         report("read after another thread's write with no barrier between", c, a, site,
-               cell.write.site);
+               cell.write.site());
+      decided_reads = cell.reads;
       if (!cell.reads.same(me)) merge_read(cell.reads, a, site, now);
-      last_result = cell.reads;
-      decided = true;
+      decided = &cell;
     }
   }
 
@@ -136,28 +152,29 @@ class Shadow {
   /// destination of an asynchronous copy, landing at the issuing thread's wait).
   void write(std::size_t offset, std::size_t n, const Accessor& a, Site site,
              const Generations& now, bool pending = false) {
+    AccessRecord me = AccessRecord::of(a, site);
+    me.pending = pending;
     for (std::size_t c = offset / 2; c < (offset + n + 1) / 2 && c < cells_.size(); ++c) {
       ShadowCell& cell = cells_[c];
-      if (cell.pending_copy >= 0)
+      if (cell.write.pending)
         report("write to an asynchronous copy's destination before its wait", c, a, site,
-               cell.write.site);
+               cell.write.site());
       else if (!ordered_before(cell.write, a, now))
         report("write after another thread's write with no barrier between", c, a, site,
-               cell.write.site);
+               cell.write.site());
       else if (!reads_ordered_before_write(cell.reads, a, now))
         report("write after another thread's read with no barrier between", c, a, site,
-               cell.reads.site);
-      cell.write = AccessRecord::of(a, site);
+               cell.reads.site());
+      cell.write = me;
       cell.reads = AccessRecord{};
-      cell.pending_copy = pending ? a.thread : -1;
     }
   }
 
   /// An asynchronous copy of `a` into [offset, offset + n) lands: a write at this moment.
   void land(std::size_t offset, std::size_t n, const Accessor& a, Site site) {
+    const AccessRecord me = AccessRecord::of(a, site);
     for (std::size_t c = offset / 2; c < (offset + n + 1) / 2 && c < cells_.size(); ++c) {
-      cells_[c].pending_copy = -1;
-      cells_[c].write = AccessRecord::of(a, site);
+      cells_[c].write = me;
       cells_[c].reads = AccessRecord{};
     }
   }
@@ -193,7 +210,8 @@ class Shadow {
     if (r.warp != a.warp) r.warp = AccessRecord::kMany;
     if (r.block != a.block) r.block = AccessRecord::kMany;
     if (a.warp_generation > r.warp_generation) r.warp_generation = a.warp_generation;
-    r.site = site;
+    r.line = site.line;
+    r.file = site.file;
   }
 
   void report(const char* what, std::size_t cell, const Accessor& a, Site site, Site other) {
