@@ -17,19 +17,16 @@ DCMHA_TEST_EMULATED_FORWARD(extern template, float)
 DCMHA_TEST_EMULATED_FORWARD(extern template, dcmha::bf16)
 DCMHA_TEST_EMULATED_BACKWARD(extern template, float)
 DCMHA_TEST_EMULATED_BACKWARD(extern template, dcmha::bf16)
+// dcmha::test::EmulatedHalf, the storage type of the emulated suite's fp16 cases: fp16, but in a
+// sanitized build, which compiles no fp16 launches (tests/CMakeLists.txt) and runs them in bf16.
 #if !defined(DCMHA_TEST_EMULATED_HALF) || DCMHA_TEST_EMULATED_HALF
 DCMHA_TEST_EMULATED_FORWARD(extern template, dcmha::half)
 DCMHA_TEST_EMULATED_BACKWARD(extern template, dcmha::half)
-#endif
-
 namespace dcmha::test {
-
-/// The storage type of the emulated suite's fp16 cases: fp16, but in a sanitized build, which
-/// compiles no fp16 launches (tests/CMakeLists.txt) and runs those cases in bf16.
-#if !defined(DCMHA_TEST_EMULATED_HALF) || DCMHA_TEST_EMULATED_HALF
 using EmulatedHalf = dcmha::half;
+}
 #else
+namespace dcmha::test {
 using EmulatedHalf = dcmha::bf16;
+}
 #endif
-
-}  // namespace dcmha::test

@@ -885,13 +885,13 @@ class LaunchLog {
 /// for a fatal error and std::logic_error listing the races found; returns the launch's counts.
 template <class Body>
 Counters launch(const char* kernel, const LaunchShape& shape, Body body) {
-  // 16: the largest cluster a device allows (8 is portable); the race detector's records hold
-  // a cluster rank in a byte.
-  if (shape.threads < 1 || shape.cluster < 1 || shape.cluster > 16 || shape.x % shape.cluster != 0)
+  if (shape.threads < 1 || shape.cluster < 1 || shape.cluster > kMaxClusterBlocks ||
+      shape.x % shape.cluster != 0)
     throw EmulationError(std::string("dcmha::cuda::emulator: bad launch shape for ") + kernel +
                          ": threads " + std::to_string(shape.threads) + ", cluster " +
                          std::to_string(shape.cluster) + ", grid x " + std::to_string(shape.x) +
-                         " (expected threads >= 1, a cluster of 1 to 16 blocks dividing x)");
+                         " (expected threads >= 1, a cluster of 1 to " +
+                         std::to_string(kMaxClusterBlocks) + " blocks dividing x)");
   std::vector<Lane> lanes(static_cast<std::size_t>(shape.threads * shape.cluster));
   for (Lane& l : lanes) l.fiber = std::make_unique<Fiber>(kLaneStackBytes);
   ClusterRun run(shape, lanes);

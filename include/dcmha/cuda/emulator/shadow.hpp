@@ -31,6 +31,10 @@ inline std::string Site::str() const {
   return f + ":" + std::to_string(line);
 }
 
+/// The largest cluster a device allows (8 is portable): the detector's records hold a cluster
+/// rank in a byte, and the emulator refuses larger clusters.
+inline constexpr int kMaxClusterBlocks = 16;
+
 /// One thread as the detector sees it, and the generations of the barriers it has passed.
 struct Accessor {
   int thread = 0;  // in the cluster: block rank * threads + thread
@@ -41,12 +45,12 @@ struct Accessor {
 
 /// An access as recorded: who, at which generations, from where. 32 bytes, so that a cell (the
 /// last write and the reads since) fills one 64-byte cache line: the detector runs on every
-/// shared-memory access the emulated kernels make, and its cells are most of its time.
+/// shared-memory access the emulated kernels make, and is most of the emulated suites' time.
 struct AccessRecord {
   static constexpr int kNone = -1, kMany = -2;
   std::int32_t thread = kNone;
   std::int16_t warp = kNone;
-  std::int8_t block = kNone;  // cluster rank: at most 16 blocks
+  std::int8_t block = kNone;  // cluster rank, below kMaxClusterBlocks
   bool pending = false;       // a write: an asynchronous copy's destination, until its wait
   std::uint32_t block_generation = 0, cluster_generation = 0, warp_generation = 0;
   std::int32_t line = 0;
@@ -80,6 +84,7 @@ struct AccessRecord {
     return w;
   }
 };
+static_assert(kMaxClusterBlocks <= 127, "a cluster rank fits the record's byte");
 static_assert(sizeof(AccessRecord) == 32 && offsetof(AccessRecord, warp_generation) == 16,
               "same() compares the identity as two words and the warp generation");
 
